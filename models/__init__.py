@@ -1,0 +1,1 @@
+"""Llama-family models that run on jaxsched's paged KV cache."""
