@@ -1,0 +1,168 @@
+"""Transitions around `schedule`: add requests, apply a step's sampled tokens, finish, abort.
+
+    add_requests ──> schedule ──> (model) ──> update ──> free_finished
+                                   ^ abort at any point between steps
+
+Each is a pure, jitted function of the state with a padded batch or a slot mask.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxsched.block_pool import add_refs, entry_valid, exclusive_cumsum
+from jaxsched.state import (ABORTED, EMPTY, FINISHED, IGNORE_NEVER_FITS, IGNORE_TOO_MANY_SEQS,
+                            IGNORED, LENGTH_CAPPED, RUNNING, STOPPED, SWAPPED, WAITING,
+                            SchedulerState)
+
+
+@struct.dataclass
+class RequestBatch:
+    """A padded batch of new requests (R rows; rows with valid=False are ignored).
+
+    Attributes:
+      valid: bool[R]
+      request_index: int32[R]   the caller's id for the request
+      prompt_len: int32[R]
+      n: int32[R]
+      max_tokens: int32[R]
+      arrival_time: float32[R]
+    """
+    valid: jax.Array
+    request_index: jax.Array
+    prompt_len: jax.Array
+    n: jax.Array
+    max_tokens: jax.Array
+    arrival_time: jax.Array
+
+
+def make_batch(rows: list[dict], size: int) -> RequestBatch:
+    """Host helper: pad a list of {request_index, prompt_len, n, max_tokens, arrival_time}."""
+    if len(rows) > size:
+        raise ValueError(f"make_batch: {len(rows)} requests exceed the batch size {size}")
+    pad = size - len(rows)
+    col = lambda k, dt: jnp.asarray([r[k] for r in rows] + [0] * pad, dt)
+    return RequestBatch(valid=jnp.asarray([True] * len(rows) + [False] * pad),
+                        request_index=col("request_index", jnp.int32),
+                        prompt_len=col("prompt_len", jnp.int32), n=col("n", jnp.int32),
+                        max_tokens=col("max_tokens", jnp.int32),
+                        arrival_time=col("arrival_time", jnp.float32))
+
+
+@jax.jit
+def add_requests(state: SchedulerState, batch: RequestBatch) -> tuple[SchedulerState, jax.Array]:
+    """Put valid rows into empty slots, at the tail of `waiting`, in row order.
+
+    Returns the new state and int32[R] slots (num_slots where a row was invalid or no slot
+    was free: the caller must retry those later). A request whose `n` exceeds max_num_seqs
+    or the slot's capacity, or whose prompt cannot fit a block table, is ignored at once
+    (SPEC B6): it finishes in this step without reaching the scheduler.
+    """
+    g, s, width = state.block_table.shape
+    empty = state.status == EMPTY
+    slot_of_rank = jnp.full((g,), g, jnp.int32).at[jnp.where(empty, exclusive_cumsum(empty), g)].set(
+        jnp.arange(g, dtype=jnp.int32), mode="drop")
+    rank = exclusive_cumsum(batch.valid)
+    slot = jnp.where(batch.valid & (rank < g), slot_of_rank[jnp.clip(rank, 0, g - 1)], g)
+    placed = slot < g
+    too_many = (batch.n > state.limits.max_num_seqs) | (batch.n > s) | (batch.n < 1)
+    too_big = batch.prompt_len > width * state.limits.block_size
+    ignored = placed & (too_many | too_big)
+    put = lambda arr, val: arr.at[slot].set(val, mode="drop")
+    first_seq = jnp.arange(s)[None, :] == 0
+    state = state.replace(
+        status=put(state.status, jnp.where(ignored, FINISHED, WAITING)),
+        finish_reason=put(state.finish_reason, jnp.where(ignored, IGNORED, 0)),
+        ignore_reason=put(state.ignore_reason,
+                          jnp.where(too_many, IGNORE_TOO_MANY_SEQS, jnp.where(too_big, IGNORE_NEVER_FITS, 0))),
+        arrival_time=put(state.arrival_time, batch.arrival_time),
+        queue_key=put(state.queue_key, state.tail_key + rank),
+        request_index=put(state.request_index, batch.request_index),
+        prompt_len=put(state.prompt_len, batch.prompt_len), n=put(state.n, batch.n),
+        max_tokens=put(state.max_tokens, batch.max_tokens),
+        forked=put(state.forked, False), prefill_done=put(state.prefill_done, 0),
+        prefill_total=put(state.prefill_total, batch.prompt_len),
+        num_preemptions=put(state.num_preemptions, 0),
+        seq_alive=put(state.seq_alive, first_seq & ~ignored[:, None]),
+        seq_finish_reason=put(state.seq_finish_reason, jnp.where(first_seq & ignored[:, None], IGNORED, 0)),
+        num_tokens=put(state.num_tokens, jnp.where(first_seq, batch.prompt_len[:, None], 0)),
+        num_blocks=put(state.num_blocks, 0),
+        tail_key=state.tail_key + placed.sum(dtype=jnp.int32),
+    )
+    return state, slot
+
+
+@jax.jit
+def update(state: SchedulerState, scheduled: jax.Array, num_scheduled_tokens: jax.Array,
+           is_prefill: jax.Array, stopped: jax.Array | None = None):
+    """Apply one step's results: prefill progress, sampled tokens, forks, finishing (SPEC A9).
+
+    A group samples when its step was a decode or its chunk completed the prompt; one token
+    per live sequence. The first sample of an `n > 1` group forks it: sequences 1..n-1 copy
+    sequence 0's block table and the blocks' reference counts go up (nothing is copied).
+    `stopped` (bool[G, S]) marks sequences whose new token is EOS or a stop token that
+    counts (the engine applies ignore_eos and min_tokens); None means never.
+    Returns (state, sampled bool[G, S], finished bool[G]).
+    """
+    g, s, width = state.block_table.shape
+    done = state.prefill_done + jnp.where(scheduled & is_prefill, num_scheduled_tokens, 0)
+    samples = scheduled & (~is_prefill | (done >= state.prefill_total))
+    fork = samples & ~state.forked & (state.n > 1)
+    new_seq = fork[:, None] & (jnp.arange(s)[None, :] < state.n[:, None]) & ~state.seq_alive
+    block_table = jnp.where(new_seq[..., None], state.block_table[:, :1], state.block_table)
+    num_blocks = jnp.where(new_seq, state.num_blocks[:, :1], state.num_blocks)
+    num_tokens = jnp.where(new_seq, state.num_tokens[:, :1], state.num_tokens)
+    device_ref = add_refs(state.device_ref, block_table, entry_valid(num_blocks, new_seq, width), 1)
+    alive = state.seq_alive | new_seq
+    sampled = samples[:, None] & alive
+    num_tokens = num_tokens + sampled.astype(jnp.int32)
+
+    lim = state.limits
+    output_len = num_tokens - state.prompt_len[:, None]
+    capped = (output_len >= state.max_tokens[:, None]) | (num_tokens > lim.max_model_len)
+    stop = sampled & (stopped if stopped is not None else False)
+    reason = jnp.where(stop, STOPPED, jnp.where(sampled & capped, LENGTH_CAPPED, 0))
+    fin = reason > 0
+    device_ref = add_refs(device_ref, block_table, entry_valid(num_blocks, fin, width), -1)
+    alive = alive & ~fin
+    group_done = samples & ~alive.any(1)
+    seq_reason = jnp.where(fin, reason, state.seq_finish_reason)
+    state = state.replace(
+        prefill_done=done, forked=state.forked | samples, seq_alive=alive,
+        seq_finish_reason=seq_reason, num_tokens=num_tokens,
+        num_blocks=jnp.where(fin, 0, num_blocks),
+        block_table=jnp.where(fin[..., None], 0, block_table), device_ref=device_ref,
+        status=jnp.where(group_done, FINISHED, state.status),
+        finish_reason=jnp.where(group_done, seq_reason.max(1), state.finish_reason),
+    )
+    return state, sampled, group_done
+
+
+@jax.jit
+def free_finished(state: SchedulerState) -> tuple[SchedulerState, jax.Array]:
+    """Release the slots of finished groups (their blocks were freed as they finished)."""
+    fin = state.status == FINISHED
+    return state.replace(status=jnp.where(fin, EMPTY, state.status),
+                         seq_alive=state.seq_alive & ~fin[:, None]), fin
+
+
+@jax.jit
+def abort(state: SchedulerState, mask: jax.Array) -> SchedulerState:
+    """Finish the masked groups (aborted) from whichever queue holds them; free their blocks."""
+    width = state.block_table.shape[2]
+    live = mask & ((state.status == WAITING) | (state.status == RUNNING) | (state.status == SWAPPED))
+    entries = entry_valid(state.num_blocks, state.seq_alive & live[:, None], width)
+    on_device = entries & (state.status == RUNNING)[:, None, None]
+    on_host = entries & (state.status == SWAPPED)[:, None, None]
+    return state.replace(
+        device_ref=add_refs(state.device_ref, state.block_table, on_device, -1),
+        host_ref=add_refs(state.host_ref, state.host_table, on_host, -1),
+        block_table=jnp.where(live[:, None, None], 0, state.block_table),
+        host_table=jnp.where(live[:, None, None], 0, state.host_table),
+        num_blocks=jnp.where(live[:, None], 0, state.num_blocks),
+        seq_finish_reason=jnp.where(live[:, None] & state.seq_alive, ABORTED, state.seq_finish_reason),
+        seq_alive=state.seq_alive & ~live[:, None],
+        status=jnp.where(live, FINISHED, state.status),
+        finish_reason=jnp.where(live, ABORTED, state.finish_reason),
+    )

@@ -1,0 +1,155 @@
+"""vLLM's three queue walks as prefix computations (see DESIGN-walks.md).
+
+Every input is in walk order (index 0 is the head of the queue) and padded past `m`, the
+number of real groups. A walk's outcome is a prefix of the queue (who is served), plus for
+the running walk a suffix (who is preempted, tail first); cumulative sums find both without
+a loop over groups. The sequential `running_walk_loop` is the same walk with vLLM's random
+failed append checks (SPEC A8), where the order of draws truly matters.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxsched.block_pool import exclusive_cumsum, first_true
+
+BIG = jnp.int32(2**30)
+
+
+class RunningWalk(NamedTuple):
+    served: jax.Array          # bool[G]
+    preempted: jax.Array       # bool[G]
+    preempt_order: jax.Array   # int32[G], 0 = first preempted
+    chunk: jax.Array           # int32[G] tokens scheduled (a decode reports 1)
+    charged: jax.Array         # int32[G] tokens charged to the budget (k for a decode)
+
+
+class RunningInputs(NamedTuple):
+    num_seqs: jax.Array        # k: running sequences, what can_append_slots needs free
+    need: jax.Array            # blocks the append really takes (new blocks, copy-on-write)
+    held: jax.Array            # unique device blocks preempting the group frees
+    full: jax.Array            # tokens if fully served: rest of prefill, or k for a decode
+    is_prefill: jax.Array      # bool: prompt not fully computed
+
+
+def _walk_tokens(inp: RunningInputs, real: jax.Array, budget: jax.Array):
+    """Per group: tokens left before it, its chunk, and whether the walk stops at it (B3)."""
+    full = jnp.where(real, inp.full, 0)
+    left = budget - exclusive_cumsum(full)
+    chunk = jnp.where(inp.is_prefill, jnp.minimum(inp.full, left), 1)
+    stops = real & jnp.where(inp.is_prefill, jnp.minimum(inp.full, left) <= 0, left < inp.num_seqs)
+    charged = jnp.where(inp.is_prefill, chunk, inp.num_seqs)
+    return chunk, charged, stops
+
+
+def running_walk(inp: RunningInputs, m: jax.Array, free: jax.Array, budget: jax.Array) -> RunningWalk:
+    """SPEC A4.4 / A6 running walk with B3 and B5a, loop-free (DESIGN-walks closed form)."""
+    g = inp.num_seqs.shape[0]
+    pos = jnp.arange(g, dtype=jnp.int32)
+    real = pos < m
+    k = jnp.where(real, inp.num_seqs, 0)
+    need = jnp.where(real, inp.need, 0)
+    held = jnp.where(real, inp.held, 0)
+    chunk, charged, stops = _walk_tokens(inp, real, budget)
+    s = first_true(stops, m)
+    visited = pos < s
+    x = free + held.sum() - exclusive_cumsum(need) - k
+    x_min = lax.cummin(jnp.where(visited, x, BIG))
+    held_incl = jnp.cumsum(held)
+    reached = (visited & (held_incl <= x_min)).sum(dtype=jnp.int32)
+    failed = reached < s
+    lone_prefill = failed & (reached == 0) & inp.is_prefill[0]          # SPEC B5a
+    # Fewest tail victims that let every visited group pass: the largest prefix P[i] <= min X.
+    held_excl = jnp.concatenate([held_incl - held, held.sum()[None]])
+    bound = x_min[jnp.maximum(s - 1, 0)]
+    bound = jnp.where(s > 0, bound, BIG)
+    fits = (jnp.arange(g + 1) <= m) & (held_excl <= bound)
+    first_victim = fits.sum(dtype=jnp.int32) - 1
+    first_victim = jnp.where(failed, jnp.where(lone_prefill, 1, reached), first_victim)
+    num_served = jnp.where(failed, jnp.where(lone_prefill, 1, reached), s)
+    preempted = real & (pos >= first_victim)
+    return RunningWalk(served=pos < num_served, preempted=preempted,
+                       preempt_order=jnp.where(preempted, m - 1 - pos, 0),
+                       chunk=chunk, charged=charged)
+
+
+def running_walk_loop(inp: RunningInputs, m: jax.Array, free: jax.Array, budget: jax.Array,
+                      key: jax.Array, count: jax.Array, fail_prob: float = 0.5):
+    """The running walk one group at a time, with artificial append failures (SPEC A8).
+
+    The draw for the a-th append check of this walk is uniform(fold_in(key, a)). Returns the
+    walk and the forced-failure counter left.
+    """
+    g = inp.num_seqs.shape[0]
+    pos = jnp.arange(g, dtype=jnp.int32)
+    real = pos < m
+    chunk, charged, stops = _walk_tokens(inp, real, budget)
+    s = first_true(stops, m)
+
+    def cond(c):
+        i, tail, *_ , done = c
+        return ~done
+
+    def body(c):
+        i, tail, f, attempt, cnt, served, preempted, order, n_pre, done = c
+        at_stop = (i >= tail) | (i >= s)
+        u = jax.random.uniform(jax.random.fold_in(key, attempt))
+        forced = (u < fail_prob) & (cnt > 0)
+        passes = ~forced & (f >= inp.num_seqs[i])
+        victim_left = tail - 1 > i
+        lone = ~passes & ~victim_left & (served.sum() == 0) & inp.is_prefill[i]
+        serve = ~at_stop & (passes | lone)
+        take_tail = ~at_stop & ~passes & victim_left
+        self_preempt = ~at_stop & ~passes & ~victim_left & ~lone
+        v = jnp.where(take_tail, tail - 1, i)
+        preempt = take_tail | self_preempt
+        served = served.at[i].set(served[i] | serve)
+        preempted = preempted.at[v].set(preempted[v] | preempt)
+        order = order.at[v].set(jnp.where(preempt, n_pre, order[v]))
+        f = f - jnp.where(serve, inp.need[i], 0) + jnp.where(preempt, inp.held[v], 0)
+        return (i + serve.astype(jnp.int32), tail - take_tail.astype(jnp.int32), f,
+                attempt + (~at_stop).astype(jnp.int32), cnt - (~at_stop & forced).astype(jnp.int32),
+                served, preempted, order, n_pre + preempt.astype(jnp.int32),
+                at_stop | self_preempt | (lone & serve))
+
+    zeros_b = jnp.zeros((g,), bool)
+    init = (jnp.int32(0), m, free, jnp.int32(0), count, zeros_b, zeros_b,
+            jnp.zeros((g,), jnp.int32), jnp.int32(0), m == 0)
+    out = lax.while_loop(cond, body, init)
+    served, preempted, order, cnt = out[5], out[6], out[7], out[4]
+    return RunningWalk(served=served, preempted=preempted, preempt_order=order,
+                       chunk=chunk, charged=charged), cnt
+
+
+class PrefixWalk(NamedTuple):
+    served: jax.Array     # bool[G]
+    skipped: jax.Array    # bool[G] ignored on the way (NEVER, prompt too long)
+    chunk: jax.Array      # int32[G]
+
+
+def prefix_walk(skip, test_need, consume, tokens, chunkable, seqs, m, free, watermark,
+                token_left, seq_left) -> PrefixWalk:
+    """The waiting or swapped walk: serve a prefix, ignoring skipped groups on the way.
+
+    A group passes when its block test leaves `watermark` free (`test_need` against the free
+    count after the groups before it took `consume`), it gets tokens (`chunkable`: as many
+    as are left, else all of `tokens` must fit), and its sequences fit. The first failure
+    stops the walk.
+    """
+    g = skip.shape[0]
+    pos = jnp.arange(g, dtype=jnp.int32)
+    real = pos < m
+    cand = real & ~skip
+    used_blocks = exclusive_cumsum(jnp.where(cand, consume, 0))
+    used_tokens = exclusive_cumsum(jnp.where(cand, tokens, 0))
+    used_seqs = exclusive_cumsum(jnp.where(cand, seqs, 0))
+    left = token_left - used_tokens
+    chunk = jnp.where(chunkable, jnp.minimum(tokens, left), tokens)
+    ok = ((free - used_blocks - test_need >= watermark) & (chunk > 0) & (chunk <= left)
+          & (used_seqs + seqs <= seq_left))
+    stop = first_true(cand & ~ok, m)
+    before = pos < stop
+    return PrefixWalk(served=cand & before, skipped=real & skip & before, chunk=chunk)
