@@ -1,0 +1,310 @@
+"""Llama-family decoder (Llama 2/3, TinyLlama, SmolLM2) in Flax NNX on jaxsched's paged KV cache.
+
+Module and parameter names follow Hugging Face's, so `model.layers.3.self_attn.q_proj.weight`
+is `model.model.layers[3].self_attn.q_proj.kernel` (transposed: HF Linear weights are
+[out, in], NNX kernels [in, out]). Two entry points:
+
+  forward(graphdef, params, tokens, positions, metadata, kv_cache) -> (logits, kv_cache)
+      the serving step: a flat ragged batch through the paged cache, jitted, cache donated
+      (`paged_forward` is the same function unjitted, to wrap in your own jit);
+  dense_forward(model, tokens[B, T]) -> logits[B, T, V]
+      plain full-sequence causal attention, no cache: the reference the paged path must match.
+"""
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxsched.attention import AttentionMetadata, paged_attention
+from jaxsched.kv_cache import KVCache, write_kv
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LlamaConfig:
+    """Static, hashable model configuration (HF `config.json` field names).
+
+    Attributes:
+      head_dim: defaults to hidden_size // num_attention_heads.
+      rope_scaling: None, or HF's dict (given as a dict or as sorted (key, value) pairs; it is
+        stored as the latter to stay hashable). rope_type "default", "linear" or "llama3".
+      dtype: parameter and activation dtype name, e.g. "float32" or "bfloat16".
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: Any = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    max_position_embeddings: int = 2048
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        if self.head_dim is None:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        if isinstance(self.rope_scaling, dict):
+            object.__setattr__(self, "rope_scaling", tuple(sorted(self.rope_scaling.items())))
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.rope_type not in ("default", "linear", "llama3"):
+            raise ValueError(f"unsupported rope_type {self.rope_type!r}")
+
+    @property
+    def rope_type(self) -> str:
+        scaling = dict(self.rope_scaling or ())
+        return scaling.get("rope_type", scaling.get("type", "default"))
+
+    @classmethod
+    def from_hf(cls, hf: dict, dtype: str = "float32") -> "LlamaConfig":
+        """From a parsed HF config.json; unknown keys are ignored."""
+        names = {f.name for f in dataclasses.fields(cls)} - {"dtype"}
+        return cls(**{k: v for k, v in hf.items() if k in names and v is not None}, dtype=dtype)
+
+
+def smollm2_135m(**overrides) -> LlamaConfig:
+    return LlamaConfig(**{**dict(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, rope_theta=100000.0,
+        tie_word_embeddings=True, max_position_embeddings=8192), **overrides})
+
+
+def tinyllama_1_1b(**overrides) -> LlamaConfig:
+    return LlamaConfig(**{**dict(
+        vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+        num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048), **overrides})
+
+
+def llama3_8b(**overrides) -> LlamaConfig:
+    """Llama-3.1-8B; Llama-3.2-1B is llama3_8b(hidden_size=2048, intermediate_size=8192,
+    num_hidden_layers=16, head_dim=64, tie_word_embeddings=True, rope_scaling={..., factor 32})."""
+    return LlamaConfig(**{**dict(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        max_position_embeddings=131072), **overrides})
+
+
+def rope_inv_freq(config: LlamaConfig) -> np.ndarray:
+    """float32[head_dim // 2] inverse frequencies, as HF's `ROPE_INIT_FUNCTIONS` compute them."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
+    scaling = dict(config.rope_scaling or ())
+    if config.rope_type == "linear":
+        return (inv_freq / scaling["factor"]).astype(np.float32)
+    if config.rope_type != "llama3":
+        return inv_freq.astype(np.float32)
+    # HF `_compute_llama3_parameters`.
+    factor, old_context_len = scaling["factor"], scaling["original_max_position_embeddings"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    low_freq_wavelen, high_freq_wavelen = old_context_len / low, old_context_len / high
+    wavelen = 2 * math.pi / inv_freq
+    inv_freq_llama = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth_factor = (old_context_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth_factor) * inv_freq_llama / factor + smooth_factor * inv_freq_llama
+    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return np.where(is_medium, smoothed, inv_freq_llama).astype(np.float32)
+
+
+def rope_cos_sin(config: LlamaConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos, sin of shape [..., head_dim] (HF layout: the half-dim frequencies repeated twice)."""
+    freqs = positions[..., None].astype(jnp.float32) * rope_inv_freq(config)
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x: [..., T, heads, D]; cos/sin: [..., T, D]. HF's rotate-half convention."""
+    cos, sin = cos[..., None, :].astype(x.dtype), sin[..., None, :].astype(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * normed.astype(x.dtype)
+
+
+def _linear(cfg: LlamaConfig, rngs: nnx.Rngs, n_in: int, n_out: int, bias: bool) -> nnx.Linear:
+    return nnx.Linear(n_in, n_out, use_bias=bias, dtype=cfg.dtype, param_dtype=cfg.dtype, rngs=rngs)
+
+
+class LlamaAttention(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        heads, kv_heads, d, bias = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.attention_bias
+        self.q_proj = _linear(cfg, rngs, cfg.hidden_size, heads * d, bias)
+        self.k_proj = _linear(cfg, rngs, cfg.hidden_size, kv_heads * d, bias)
+        self.v_proj = _linear(cfg, rngs, cfg.hidden_size, kv_heads * d, bias)
+        self.o_proj = _linear(cfg, rngs, heads * d, cfg.hidden_size, bias)
+        self.shape = (heads, kv_heads, d)
+
+    def qkv(self, x, cos, sin):
+        """x: [..., T, hidden] -> q [..., T, H, D], k and v [..., T, H_kv, D], RoPE applied."""
+        heads, kv_heads, d = self.shape
+        q = self.q_proj(x).reshape(*x.shape[:-1], heads, d)
+        k = self.k_proj(x).reshape(*x.shape[:-1], kv_heads, d)
+        v = self.v_proj(x).reshape(*x.shape[:-1], kv_heads, d)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def paged(self, x, cos, sin, layer: int, metadata: AttentionMetadata, cache: KVCache, impl: str):
+        q, k, v = self.qkv(x, cos, sin)
+        cache = write_kv(cache, layer, k, v, metadata.slot_mapping)  # write first: chunks see themselves
+        out = paged_attention(q, cache.k[layer], cache.v[layer], metadata, impl=impl)
+        return self.o_proj(out.reshape(x.shape[0], -1)), cache
+
+    def dense(self, x, cos, sin):
+        """Full causal attention over x: [B, T, hidden]."""
+        heads, kv_heads, d = self.shape
+        q, k, v = self.qkv(x, cos, sin)
+        b, t = x.shape[:2]
+        q = q.reshape(b, t, kv_heads, heads // kv_heads, d)
+        s = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32) / math.sqrt(d)
+        s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -1e30)
+        p = jax.nn.softmax(s, axis=-1)
+        out = jnp.einsum("bkgqs,bskd->bqkgd", p, v.astype(jnp.float32)).astype(x.dtype)
+        return self.o_proj(out.reshape(b, t, heads * d))
+
+
+class LlamaMLP(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        self.gate_proj = _linear(cfg, rngs, cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+        self.up_proj = _linear(cfg, rngs, cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+        self.down_proj = _linear(cfg, rngs, cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias)
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        self.self_attn = LlamaAttention(cfg, rngs)
+        self.mlp = LlamaMLP(cfg, rngs)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
+
+    def mlp_block(self, h):
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype, param_dtype=cfg.dtype, rngs=rngs)
+        self.layers = nnx.List([LlamaDecoderLayer(cfg, rngs) for _ in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
+
+
+class LlamaForCausalLM(nnx.Module):
+    def __init__(self, config: LlamaConfig, rngs: nnx.Rngs):
+        self.config = config
+        self.model = LlamaModel(config, rngs)
+        self.lm_head = None if config.tie_word_embeddings else _linear(config, rngs, config.hidden_size, config.vocab_size, False)
+
+    def logits(self, h: jax.Array) -> jax.Array:
+        h = self.model.norm(h)
+        out = self.model.embed_tokens.attend(h) if self.lm_head is None else self.lm_head(h)
+        return out.astype(jnp.float32)
+
+    def paged(self, tokens, positions, metadata: AttentionMetadata, cache: KVCache, impl: str = "chunked"):
+        """tokens, positions: [T]. Returns final hidden states [T, hidden] and the new cache."""
+        cos, sin = rope_cos_sin(self.config, positions)
+        h = self.model.embed_tokens(tokens)
+        for i, layer in enumerate(self.model.layers):
+            attn, cache = layer.self_attn.paged(layer.input_layernorm(h), cos, sin, i, metadata, cache, impl)
+            h = layer.mlp_block(h + attn)
+        return h, cache
+
+    def dense(self, tokens: jax.Array) -> jax.Array:
+        """tokens: [B, T] -> logits [B, T, V], positions 0..T-1, causal, no cache."""
+        cos, sin = rope_cos_sin(self.config, jnp.arange(tokens.shape[1]))
+        h = self.model.embed_tokens(tokens)
+        for layer in self.model.layers:
+            h = layer.mlp_block(h + layer.self_attn.dense(layer.input_layernorm(h), cos, sin))
+        return self.logits(h)
+
+
+def paged_forward(graphdef, params, tokens, positions, metadata: AttentionMetadata, kv_cache: KVCache, impl: str = "chunked"):
+    """One serving step: logits float32[num_sample, V] at metadata.logits_indices, new cache.
+
+    tokens, positions: int32[T]. `graphdef, params = nnx.split(model)` once, outside; merged
+    here, inside jit. `positions` feed RoPE and `metadata.positions` the causal mask: the same
+    array for Llama, kept apart so position schemes (e.g. multimodal RoPE) can differ from
+    cache order. Unjitted; `forward` is this function jitted with the cache donated.
+    """
+    model = nnx.merge(graphdef, params)
+    hidden, kv_cache = model.paged(tokens, positions, metadata, kv_cache, impl)
+    return model.logits(hidden[metadata.logits_indices]), kv_cache
+
+
+forward = jax.jit(paged_forward, static_argnames=("graphdef", "impl"), donate_argnames=("kv_cache",))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _dense(graphdef, params, tokens):
+    return nnx.merge(graphdef, params).dense(tokens)
+
+
+def dense_forward(model: LlamaForCausalLM, tokens: jax.Array) -> jax.Array:
+    """Reference: logits float32[B, T, V] of full causal attention over tokens [B, T]."""
+    graphdef, params = nnx.split(model)
+    return _dense(graphdef, params, tokens)
+
+
+# ----------------------------------------------------------------------------- HF weights
+
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints carry
+
+
+def hf_param_names(model: LlamaForCausalLM) -> dict[str, tuple[tuple, tuple[int, ...], bool]]:
+    """HF name -> (NNX path, HF shape, transposed?) for every parameter of `model`."""
+    names = {}
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        leaf, shape = path[-1], var.get_value().shape
+        transposed = leaf == "kernel"
+        hf_leaf = "bias" if leaf == "bias" else "weight"
+        names[".".join(map(str, path[:-1] + (hf_leaf,)))] = (path, shape[::-1] if transposed else shape, transposed)
+    return names
+
+
+def load_hf_state_dict(model: LlamaForCausalLM, state: dict[str, np.ndarray]) -> None:
+    """Assign HF-named tensors to `model` in place (cast to the config dtype).
+
+    Raises ValueError naming every missing, unexpected and mis-shaped tensor. Ignored: rotary
+    inv_freq buffers, and `lm_head.weight` when the embeddings are tied.
+    """
+    expected = hf_param_names(model)
+    ignored = {n for n in state if n.endswith(_IGNORED_SUFFIXES)}
+    if model.config.tie_word_embeddings:
+        ignored.add("lm_head.weight")
+    given = set(state) - ignored
+    missing, extra = sorted(set(expected) - given), sorted(given - set(expected))
+    misshaped = [f"{n}: got {tuple(np.shape(state[n]))}, want {expected[n][1]}"
+                 for n in sorted(given & set(expected)) if tuple(np.shape(state[n])) != expected[n][1]]
+    if missing or extra or misshaped:
+        raise ValueError(f"HF state dict does not fit the model: missing={missing} "
+                         f"unexpected={extra} misshaped={misshaped}")
+    flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
+    by_path = {path: var for path, var in flat}
+    for name, (path, _, transposed) in expected.items():
+        array = np.asarray(state[name])
+        by_path[path].set_value(jnp.asarray(array.T if transposed else array, dtype=model.config.dtype))
+    nnx.update(model, nnx.from_flat_state(flat))
