@@ -8,7 +8,6 @@ prefix computation over its queue in priority order (walks.py); the state change
 """
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import jax
@@ -188,9 +187,8 @@ def _derived(state: SchedulerState, cap: Capacity):
     )
 
 
-@functools.partial(jax.jit, static_argnames=("cap",))
-def schedule_step(state: SchedulerState, now: jax.Array, cap: Capacity):
-    """The jitted step; `schedule` is the friendly entry point."""
+def schedule_impl(state: SchedulerState, now: jax.Array, cap: Capacity):
+    """One step, unjitted (for wrapping); `schedule_step` is this under `jax.jit`."""
     lim = state.limits
     now = jnp.asarray(now, jnp.float32)
     d = _derived(state, cap)
@@ -282,6 +280,9 @@ def _requeue(state, categories):
         new_key = jnp.where(mask, offset + rank, new_key)
         offset = offset + mask.sum(dtype=jnp.int32)
     return state.replace(queue_key=new_key, tail_key=offset)
+
+
+schedule_step = jax.jit(schedule_impl, static_argnames=("cap",))
 
 
 def schedule(state: SchedulerState, config: SchedulerConfig | Capacity, now) -> tuple[SchedulerState, SchedulerOutput]:

@@ -1,0 +1,80 @@
+"""Shared factories: configs, request traces, and a step-by-step driver that checks invariants."""
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+import pytest
+
+jax.config.update("jax_cpu_enable_async_dispatch", False)
+
+from jaxsched import (SchedulerConfig, add_requests, check_invariants, free_finished,  # noqa: E402
+                      init_state, make_batch, schedule_step, update)
+
+# One static capacity for the scheduler tests: every example reuses one compiled step.
+TEST_CAPACITY = dict(num_slots=32, max_seqs_per_group=4, max_blocks_per_seq=64,
+                     num_device_blocks_capacity=128, num_host_blocks_capacity=128)
+
+
+def make_config(**overrides) -> SchedulerConfig:
+    base = dict(block_size=16, num_device_blocks=64, num_host_blocks=64, max_num_seqs=16,
+                max_num_batched_tokens=512, max_model_len=512, **TEST_CAPACITY)
+    base.update(overrides)
+    for cap_key, key in (("num_device_blocks_capacity", "num_device_blocks"),
+                         ("num_host_blocks_capacity", "num_host_blocks")):
+        base[cap_key] = max(base[cap_key], base[key])
+    return SchedulerConfig(**base)
+
+
+def make_requests(n: int, *, seed: int = 0, prompt=(1, 200), max_tokens=(1, 100), max_n=1,
+                  arrival_gap=(0, 2)) -> list[dict]:
+    rnd = np.random.default_rng(seed)
+    step, out = 0, []
+    for i in range(n):
+        step += int(rnd.integers(arrival_gap[0], arrival_gap[1] + 1))
+        out.append({"id": f"r{i}", "arrival_step": step,
+                    "prompt_len": int(rnd.integers(prompt[0], prompt[1] + 1)),
+                    "max_tokens": int(rnd.integers(max_tokens[0], max_tokens[1] + 1)),
+                    "n": int(rnd.integers(1, max_n + 1))})
+    return out
+
+
+def drive(config: SchedulerConfig, requests: list[dict], *, step_time: float = 1.0,
+          max_steps: int = 5000, batch_size: int = 8, check: bool = True):
+    """Run requests step by step through the public transitions, checking invariants.
+
+    Returns (per-step outputs as numpy dicts, final state, per-request final status).
+    """
+    cap = config.capacity()
+    state = init_state(config)
+    by_step: dict[int, list[int]] = {}
+    for i, r in enumerate(requests):
+        by_step.setdefault(r["arrival_step"], []).append(i)
+    done: dict[int, int] = {}
+    steps = []
+    for step in range(max_steps):
+        rows = [dict(request_index=i, prompt_len=requests[i]["prompt_len"], n=requests[i]["n"],
+                     max_tokens=requests[i]["max_tokens"], arrival_time=step * step_time)
+                for i in by_step.get(step, [])]
+        for k in range(0, len(rows), batch_size):
+            state, _ = add_requests(state, make_batch(rows[k:k + batch_size], batch_size))
+        state, out = schedule_step(state, step * step_time, cap=cap)
+        if check:
+            check_invariants(state, config, out)
+        state, _, _ = update(state, out.scheduled, out.num_scheduled_tokens, out.is_prefill)
+        if check:
+            check_invariants(state, config)
+        status = np.asarray(state.status)
+        for slot in np.nonzero(status == 4)[0]:
+            done[int(state.request_index[slot])] = int(state.finish_reason[slot])
+        steps.append(jax.device_get(out._asdict()))
+        state, _ = free_finished(state)
+        if len(done) == len(requests):
+            return steps, state, done
+    raise AssertionError(f"{len(requests) - len(done)} requests unfinished after {max_steps} steps")
+
+
+@pytest.fixture
+def ci_strict():
+    return os.environ.get("CI", "").lower() == "true"
