@@ -135,8 +135,9 @@ def _chunked(q, k_pool, v_pool, rows, num_visible):
     """
     t, h, d = q.shape
     _, block_size, num_kv_heads, _ = k_pool.shape
-    token_bytes = t * block_size * num_kv_heads * d * k_pool.dtype.itemsize
-    chunk = int(min(rows.shape[1], max(1, _CHUNK_BYTES // token_bytes)))
+    block_bytes = t * block_size * num_kv_heads * d * k_pool.dtype.itemsize  # one block column
+    num_chunks = -(-rows.shape[1] * block_bytes // _CHUNK_BYTES)
+    chunk = -(-rows.shape[1] // num_chunks)  # balanced: pads fewer than num_chunks blocks
     num_chunks = -(-rows.shape[1] // chunk)
     rows = jnp.pad(rows, ((0, 0), (0, num_chunks * chunk - rows.shape[1])))  # null blocks
     rows = rows.reshape(t, num_chunks, chunk).transpose(1, 0, 2)  # [n, T, chunk]

@@ -169,7 +169,7 @@ class LlamaAttention(nnx.Module):
     def paged(self, x, cos, sin, layer: int, metadata: AttentionMetadata, cache: KVCache, impl: str):
         q, k, v = self.qkv(x, cos, sin)
         cache = write_kv(cache, layer, k, v, metadata.slot_mapping)  # write first: chunks see themselves
-        out = paged_attention(q, cache.k[layer], cache.v[layer], metadata, impl=impl)
+        out = paged_attention(q, *cache.layer(layer), metadata, impl=impl)
         return self.o_proj(out.reshape(x.shape[0], -1)), cache
 
     def dense(self, x, cos, sin):

@@ -25,7 +25,7 @@ def make_cache(seed: int = 0) -> kc.KVCache:
     cache = kc.init_kv_cache(NUM_LAYERS, NUM_BLOCKS, NUM_HOST_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
     rng = np.random.default_rng(seed)
     k, v = (rng.standard_normal(cache.k.shape).astype(np.float32) for _ in range(2))
-    k[:, kc.NULL_BLOCK] = v[:, kc.NULL_BLOCK] = 0
+    k[kc.NULL_BLOCK] = v[kc.NULL_BLOCK] = 0
     host_k, host_v = (rng.standard_normal(cache.host_k.shape).astype(np.float32) for _ in range(2))
     host = cache.host_k.sharding
     return cache.replace(k=jnp.asarray(k), v=jnp.asarray(v),
@@ -47,8 +47,8 @@ def test_init__host_pool_in_host_memory_when_backend_has_it():
     assert cache.host_memory_kind == ("pinned_host" if "pinned_host" in kinds else None)
     if cache.host_memory_kind:
         assert cache.host_k.sharding.memory_kind == "pinned_host"
-    assert cache.k.shape == (NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
-    assert cache.host_k.shape == (NUM_LAYERS, NUM_HOST_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    assert cache.k.shape == (NUM_BLOCKS, NUM_LAYERS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    assert cache.host_k.shape == (NUM_HOST_BLOCKS, NUM_LAYERS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
 
 
 def test_write__scatters_slots_and_drops_padding():
@@ -58,11 +58,11 @@ def test_write__scatters_slots_and_drops_padding():
     new = kc.write(cache, 1, k, -k, slots)
     assert cache.k.is_deleted()  # donated
     got = np.asarray(new.k)
-    np.testing.assert_array_equal(got[1, 5, 1], k[0])
-    np.testing.assert_array_equal(got[1, 9, 3], k[1])
-    np.testing.assert_array_equal(np.asarray(new.v)[1, 9, 3], -k[1])
+    np.testing.assert_array_equal(got[5, 1, 1], k[0])
+    np.testing.assert_array_equal(got[9, 1, 3], k[1])
+    np.testing.assert_array_equal(np.asarray(new.v)[9, 1, 3], -k[1])
     assert np.count_nonzero(got) == 2 * KV_HEADS * HEAD_DIM  # padding token wrote nothing
-    assert np.count_nonzero(got[0]) == 0  # other layer untouched
+    assert np.count_nonzero(got[:, 0]) == 0  # other layer untouched
 
 
 @pytest.mark.parametrize("kernel", [kc.copy_blocks, kc.swap_out, kc.swap_in])
@@ -89,7 +89,7 @@ def test_copy_blocks__matches_numpy_and_ignores_rows_past_count(pairs, extra):
     for name in ("k", "v"):
         want = before[name].copy()
         for src, dst in pairs:
-            want[:, dst] = before[name][:, src]
+            want[dst] = before[name][src]
         np.testing.assert_array_equal(after[name], want)
     np.testing.assert_array_equal(after["host_k"], before["host_k"])
 
@@ -110,12 +110,25 @@ def test_swap__out_then_in_to_other_blocks_is_bitwise_exact(data):
     untouched_host = sorted(set(range(NUM_HOST_BLOCKS)) - set(host))
     for name in ("k", "v"):
         np.testing.assert_array_equal(mid[name], before[name])  # swap_out leaves the device pool
-        np.testing.assert_array_equal(mid["host_" + name][:, untouched_host], before["host_" + name][:, untouched_host])
+        np.testing.assert_array_equal(mid["host_" + name][untouched_host], before["host_" + name][untouched_host])
         for src, h, dst in zip(dev_src, host, dev_dst):
-            np.testing.assert_array_equal(mid["host_" + name][:, h], before[name][:, src])
-            np.testing.assert_array_equal(after[name][:, dst], before[name][:, src])
+            np.testing.assert_array_equal(mid["host_" + name][h], before[name][src])
+            np.testing.assert_array_equal(after[name][dst], before[name][src])
         untouched_dev = sorted(set(range(NUM_BLOCKS)) - set(dev_dst))
-        np.testing.assert_array_equal(after[name][:, untouched_dev], before[name][:, untouched_dev])
+        np.testing.assert_array_equal(after[name][untouched_dev], before[name][untouched_dev])
+
+
+@pytest.mark.parametrize("kernel, pairs", [(kc.swap_out, [(3, 1), (5, 7)]), (kc.swap_in, [(1, 3), (7, 5)])])
+def test_swap__padding_rows_are_harmless_even_when_counted(kernel, pairs):
+    before = as_numpy(make_cache())
+    after = as_numpy(kernel(make_cache(), make_pairs(pairs), jnp.int32(MAX_PAIRS)))  # count overstated
+    on_device = kernel is kc.swap_in
+    src_name, dst_name = ("host_k", "k") if on_device else ("k", "host_k")
+    num_dst = NUM_BLOCKS if on_device else NUM_HOST_BLOCKS
+    untouched = sorted(set(range(num_dst)) - {dst for _, dst in pairs})
+    np.testing.assert_array_equal(after[dst_name][untouched], before[dst_name][untouched])
+    for src, dst in pairs:
+        np.testing.assert_array_equal(after[dst_name][dst], before[src_name][src])
 
 
 def test_bucket__powers_of_two_capped():
