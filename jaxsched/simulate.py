@@ -18,6 +18,7 @@ import numpy as np
 from jax import lax
 
 from jaxsched.config import Capacity, SchedulerConfig
+from jaxsched.invariants import CHECKS, InvariantError, describe, invariant_violations
 from jaxsched.requests import RequestBatch, add_requests, free_finished, update
 from jaxsched.scheduler import schedule_step
 from jaxsched.state import FINISH_NAMES, FINISHED, IGNORE_REASONS, IGNORED, init_state
@@ -30,11 +31,17 @@ NUM_ROWS = 11
 CHUNK_STEPS = 64
 
 
-def sim_step(state, batch: RequestBatch, now, cap: Capacity):
-    """add_requests + schedule + update + free_finished, with a packed record of the step."""
+def sim_step(state, batch: RequestBatch, now, cap: Capacity, check: bool = False):
+    """add_requests + schedule + update + free_finished, with a packed record of the step.
+
+    With `check`, the invariants are evaluated after `schedule` and after `update`.
+    """
     state, _ = add_requests(state, batch)
     state, out = schedule_step(state, now, cap=cap)
+    flags = invariant_violations(state, out) if check else jnp.zeros((len(CHECKS),), bool)
     state, _, _ = update(state, out.scheduled, out.num_scheduled_tokens, out.is_prefill)
+    if check:
+        flags = flags | invariant_violations(state)
     finished = state.status == FINISHED
     outputs = jnp.max(jnp.where(jnp.arange(state.num_tokens.shape[1]) < state.n[:, None],
                                 state.num_tokens - state.prompt_len[:, None], 0), axis=1)
@@ -44,15 +51,15 @@ def sim_step(state, batch: RequestBatch, now, cap: Capacity):
     record = jnp.stack([r.astype(jnp.int32) for r in rows])
     free = jnp.stack([out.num_free_device_blocks, out.num_free_host_blocks])
     state, _ = free_finished(state)
-    return state, (record, free)
+    return state, (record, free, flags)
 
 
-@functools.partial(jax.jit, static_argnames=("cap",), donate_argnums=(0,))
-def run_chunk(state, batches: RequestBatch, times, cap: Capacity):
+@functools.partial(jax.jit, static_argnames=("cap", "check"), donate_argnums=(0,))
+def run_chunk(state, batches: RequestBatch, times, cap: Capacity, check: bool = False):
     """`sim_step` for every row of `batches` ([K, R] leaves) inside one lax.scan."""
     def body(st, x):
         batch, now = x
-        return sim_step(st, batch, now, cap)
+        return sim_step(st, batch, now, cap, check)
     return lax.scan(body, state, (batches, times))
 
 
@@ -69,19 +76,21 @@ def _capacity_for(trace: Trace, overrides: dict | None) -> SchedulerConfig:
 
 
 def simulate(config: dict | SchedulerConfig, requests: list[dict], *, step_time: float = 1.0,
-             max_steps: int = 100_000, capacity: dict | None = None) -> dict:
+             max_steps: int = 100_000, capacity: dict | None = None,
+             check_invariants: bool = False) -> dict:
     """Replay requests through the jitted scheduler; returns the `simulate` output dict.
 
     `config` is a trace's config dict (it may carry step_time and max_steps) or a
     SchedulerConfig. `capacity` overrides static sizes (num_slots, max_seqs_per_group,
-    max_blocks_per_seq, ...) so that many traces share one compiled step.
+    max_blocks_per_seq, ...) so that many traces share one compiled step. With
+    `check_invariants`, every step is checked on device and the first violation raises.
     """
     trace = parse_trace({"config": config, "requests": requests}, step_time=step_time,
                         max_steps=max_steps)
     cfg = _capacity_for(trace, capacity)
     cap = cfg.capacity()
     arrivals = trace.arrivals_by_step()
-    width = max(1, max((len(v) for v in arrivals.values()), default=1))
+    width = max(8, max((len(v) for v in arrivals.values()), default=1))
     width = 1 << math.ceil(math.log2(width))
     state = init_state(cfg)
     records, frees = [], []
@@ -93,8 +102,11 @@ def simulate(config: dict | SchedulerConfig, requests: list[dict], *, step_time:
                                f"unfinished after max_steps={trace.max_steps}")
         k = min(CHUNK_STEPS, trace.max_steps - step)
         batches, times = _chunk_inputs(trace, arrivals, step, k, width)
-        state, (rec, free) = run_chunk(state, batches, times, cap=cap)
-        rec, free = np.asarray(rec), np.asarray(free)
+        state, (rec, free, flags) = run_chunk(state, batches, times, cap=cap, check=check_invariants)
+        rec, free, flags = np.asarray(rec), np.asarray(free), np.asarray(flags)
+        if flags.any():
+            bad = int(np.nonzero(flags.any(1))[0][0])
+            raise InvariantError(f"step {step + bad}: {describe(flags[bad])}")
         records.append(rec)
         frees.append(free)
         finished += int(rec[:, R_FINISHED].sum())
