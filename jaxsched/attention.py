@@ -43,7 +43,8 @@ class AttentionMetadata:
       block_tables: int32[S, max_blocks]  device block ids per sequence, null(0)-padded.
       context_lens: int32[S]  tokens of each sequence in the cache after this step's writes.
       logits_indices: int32[num_sample]  tokens whose logits are returned (last of each chunk).
-      num_valid: int32[]  tokens [0, num_valid) are real; the rest are padding.
+      num_valid: int32[]  tokens [0, num_valid) are real; the rest are padding (their outputs
+        are finite garbage: they attend to key 0 of row seq_ids[t]).
     """
 
     slot_mapping: jax.Array
@@ -74,7 +75,7 @@ def paged_attention(
 ) -> jax.Array:
     """Causal GQA attention of T query tokens over one layer of the paged cache.
 
-    q: [T, H, D]; k_pool, v_pool: [num_blocks, block_size, H_kv, D] (one layer of KVCache.k/v).
+    q: [T, H, D]; k_pool, v_pool: [num_blocks, block_size, H_kv, D], one layer (`KVCache.layer`).
     Returns [T, H, D] in q's dtype. H must be a multiple of H_kv; scale is 1/sqrt(D);
     scores and softmax are float32. `impl` is static: "chunked" (default) or "reference".
     """
