@@ -161,13 +161,20 @@ def test_reference__swaps_in_a_partial_prefill_longer_than_the_budget_in_chunks(
 
 def test_reference__a_group_that_never_fits_above_the_watermark_is_never():
     # 20 blocks, watermark 2: 18 blocks fit an empty cache, 19 never do. vLLM's can_swap_in
-    # would answer LATER for 19 and 20 forever; the reference uses can_allocate's test for
-    # prompts, swap-in and B1 re-admission alike, so such a group is ignored and the run ends.
+    # (and B1 as the brief words it) says NEVER only above 20, so 19 and 20 would be LATER
+    # forever; the reference uses can_allocate's test for prompts, swap-in and B1 alike.
     from reference_scheduler import LATER, NEVER, OK, BlockManager
     bm = BlockManager(SchedulerConfig(**make_config(num_device_blocks=20, watermark=0.1)))
     assert [bm._alloc_status(need) for need in (18, 19, 20, 21)] == [OK, NEVER, NEVER, NEVER]
     bm.device.allocate()
     assert bm._alloc_status(18) == LATER
+    # End to end: q1 (n=2) is recomputed holding both sequences with a need of 19 or 20
+    # blocks. It is ignored and the run ends; with "need > 20" it would wait forever.
+    trace = make_trace([(0, 4, 60, 1), (0, 44, 60, 2)], num_device_blocks=20, watermark=0.1,
+                       preemption_mode="recompute")
+    got = simulate_reference(trace, on_step=check_invariants)
+    assert got["requests"]["q0"]["status"] == "finished_length_capped"
+    assert got["requests"]["q1"]["status"] == FINISHED_IGNORED
 
 
 def test_reference__abort_frees_device_and_host_blocks():
