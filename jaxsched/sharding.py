@@ -1,0 +1,253 @@
+"""Tensor and data parallelism for the Llama forward and the paged KV cache, with `jax.sharding`.
+
+A mesh has two axes, ("data", "model")::
+
+    make_mesh(data=2, model=4)     devices  [[d0 d1 d2 d3]     "model": one tensor-parallel group
+                                             [d4 d5 d6 d7]]    "data": independent replicas
+
+Tensor parallelism ("model") is Megatron's layout, written as PartitionSpecs on the weights
+and the cache; XLA's SPMD partitioner inserts the collectives (we build none):
+
+    q/k/v/gate/up_proj.kernel [in, out]   P(None, "model")  column-parallel: heads, ffn units
+    o_proj/down_proj.kernel   [in, out]   P("model", None)  row-parallel: one all-reduce each
+    embed_tokens.embedding    [V, hidden] P("model", None)  by vocabulary (lm_head [hidden, V]
+                                                            likewise); replicated when V does
+                                                            not divide (no padding: logits keep V)
+    norms, o/down biases                  P()               replicated
+    KV pools [blocks, L, block_size, H_kv, D]  P(None, None, None, "model", None)  by kv head
+
+so each device holds H/model query heads and the H_kv/model kv heads they read, and attention
+never leaves the device. Tokens, positions, metadata and logits are replicated (small); the
+scheduler state stays as it is, replicated on every host.
+
+Data parallelism ("data") is replicas, not a batch axis: `replica_meshes(mesh)` gives one
+(1, model) submesh per row, each with its own params, cache and engine, on disjoint devices.
+(A cache sharded over "data" would split every sequence's blocks across replicas.)
+
+Multi-host (not exercised here; one process only): every host runs
+`jax.distributed.initialize()` first, then the same program: the same `make_mesh` over the
+global `jax.devices()`, the same `place_hf_tensors` (each process builds only its addressable
+shards), the same engine step in lock-step, since every step is one SPMD program over all
+hosts' devices. Only the leader, process 0, takes requests and returns outputs: each step the
+leader's new requests (a fixed-shape batch) go to every host with `share_from_leader`, so all
+hosts' schedulers see identical inputs and make identical decisions; followers drop their
+outputs. The test of this simulates the hosts inside one process.
+"""
+
+import functools
+import logging
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxsched import kv_cache as kc
+from models.llama import LlamaConfig, LlamaForCausalLM, hf_param_names, paged_forward
+
+AXES = ("data", "model")
+_COLUMN = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}  # output features split
+_ROW = {"o_proj", "down_proj"}  # input features split
+_KV_POOL_SPEC = P(None, None, None, "model", None)  # [blocks, L, block_size, H_kv, D]
+
+
+def make_mesh(data: int, model: int, devices=None) -> Mesh:
+    """A (data, model) mesh over the first data * model `devices` (default `jax.devices()`).
+
+    "model" is the inner axis, so a tensor-parallel group is consecutive devices (on one host
+    where there are several). Raises ValueError when there are too few devices.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    if data < 1 or model < 1:
+        raise ValueError(f"mesh axes must be positive, got data={data} model={model}")
+    if data * model > len(devices):
+        raise ValueError(f"a data={data} x model={model} mesh needs {data * model} devices, "
+                         f"only {len(devices)} available ({devices[0].platform})")
+    return Mesh(np.asarray(devices[: data * model]).reshape(data, model), AXES)
+
+
+def replica_meshes(mesh: Mesh) -> list[Mesh]:
+    """One (1, model) submesh per data row: the devices of each data-parallel replica."""
+    return [Mesh(mesh.devices[i : i + 1], AXES) for i in range(mesh.shape["data"])]
+
+
+def check_tensor_parallel(config: LlamaConfig, model: int) -> None:
+    """Raise ValueError naming every head/feature count that `model` devices cannot split.
+
+    A vocabulary that does not divide is no error: embeddings are then replicated (logged).
+    """
+    counts = {"num_attention_heads": config.num_attention_heads,
+              "num_key_value_heads": config.num_key_value_heads,
+              "intermediate_size": config.intermediate_size}
+    bad = [f"{name}={n}" for name, n in counts.items() if n % model]
+    if bad:
+        sizes = [m for m in range(1, config.num_key_value_heads + 1) if not any(n % m for n in counts.values())]
+        raise ValueError(f"tensor parallelism over a mesh 'model' axis of size {model} needs "
+                         f"{', '.join(bad)} to be divisible by {model}; model sizes that divide "
+                         f"this config: {sizes}")
+    if not vocab_is_sharded(config, model):
+        logging.getLogger(__name__).warning(
+            "vocab_size=%d does not divide by the model axis size %d: embeddings and lm_head "
+            "are replicated on every device", config.vocab_size, model)
+
+
+def vocab_is_sharded(config: LlamaConfig, model: int) -> bool:
+    """Whether embeddings (and lm_head) are split by vocabulary; else they are replicated."""
+    return config.vocab_size % model == 0
+
+
+def param_spec(names: tuple, config: LlamaConfig, model: int) -> P:
+    """PartitionSpec of the parameter at NNX path `names`, e.g. ("model", "layers", 0, ...)."""
+    module, leaf = names[-2], names[-1]
+    vocab = "model" if vocab_is_sharded(config, model) else None
+    if module in _COLUMN:
+        return P(None, "model") if leaf == "kernel" else P("model")
+    if module in _ROW:
+        return P("model", None) if leaf == "kernel" else P()
+    if module == "embed_tokens":
+        return P(vocab, None)
+    if module == "lm_head":
+        return P(None, vocab) if leaf == "kernel" else P(vocab)
+    if module.endswith("norm"):
+        return P()
+    raise ValueError(f"no sharding rule for parameter {'.'.join(map(str, names))}")
+
+
+def _names(path) -> tuple:
+    return tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
+
+
+def param_shardings(params_state, config: LlamaConfig, mesh: Mesh):
+    """The NamedSharding of every parameter, as a pytree shaped like `params_state`."""
+    model = mesh.shape["model"]
+    check_tensor_parallel(config, model)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: NamedSharding(mesh, param_spec(_names(path), config, model)), params_state)
+
+
+def shard_params(params_state, config: LlamaConfig, mesh: Mesh):
+    """`params_state` (e.g. `nnx.split(model)[1]`) placed with `param_shardings`."""
+    return jax.device_put(params_state, param_shardings(params_state, config, mesh))
+
+
+# ----------------------------------------------------------------------------- KV cache
+
+
+def kv_cache_sharding(mesh: Mesh, memory_kind: str | None = None) -> NamedSharding:
+    """Sharding of one pool, device or host: split along the kv-head axis (axis 3)."""
+    return NamedSharding(mesh, _KV_POOL_SPEC, memory_kind=memory_kind)
+
+
+def kv_cache_shardings(mesh: Mesh, host_memory_kind: str | None) -> kc.KVCache:
+    """A KVCache whose leaves are the shardings of its pools (a jit in/out_shardings tree)."""
+    device, host = kv_cache_sharding(mesh), kv_cache_sharding(mesh, host_memory_kind)
+    return kc.KVCache(k=device, v=device, host_k=host, host_v=host, host_memory_kind=host_memory_kind)
+
+
+def shard_kv_cache(cache: kc.KVCache, mesh: Mesh) -> kc.KVCache:
+    """`cache` resharded by kv head; host pools stay in their memory kind."""
+    return jax.device_put(cache, kv_cache_shardings(mesh, cache.host_memory_kind))
+
+
+def init_sharded_kv_cache(mesh: Mesh, num_layers: int, num_device_blocks: int, num_host_blocks: int,
+                          block_size: int, num_kv_heads: int, head_dim: int, dtype=jnp.float32) -> kc.KVCache:
+    """`init_kv_cache`'s zeroed pools, created already sharded (no whole pool on one device)."""
+    if num_kv_heads % mesh.shape["model"]:
+        raise ValueError(f"num_key_value_heads={num_kv_heads} is not divisible by the mesh's "
+                         f"model axis size {mesh.shape['model']}")
+    kind = kc.host_memory_kind(mesh.devices.flat[0])
+    shardings = kv_cache_shardings(mesh, kind)
+    dev_shape = (num_device_blocks, num_layers, block_size, num_kv_heads, head_dim)
+    host_shape = (max(num_host_blocks, 1),) + dev_shape[1:]
+    zeros = jax.jit(lambda: jnp.zeros(dev_shape, dtype), out_shardings=shardings.k)
+    host_zeros = lambda: jax.make_array_from_callback(  # noqa: E731  built on the host, per shard
+        host_shape, shardings.host_k, lambda index: np.zeros(_slice_shape(host_shape, index), dtype))
+    return kc.KVCache(k=zeros(), v=zeros(), host_k=host_zeros(), host_v=host_zeros(), host_memory_kind=kind)
+
+
+def _slice_shape(shape: tuple, index: tuple) -> tuple:
+    return tuple(len(range(*s.indices(n))) for s, n in zip(index, shape))
+
+
+# ----------------------------------------------------------------------------- forward
+
+
+def make_sharded_forward(mesh: Mesh, param_shardings_tree, host_memory_kind: str | None = None,
+                         impl: str = "chunked") -> Callable:
+    """`paged_forward` jitted for `mesh`: `(graphdef, params, tokens, positions, metadata,
+    kv_cache) -> (logits, kv_cache)`, all positional.
+
+    in/out_shardings are explicit: params as `param_shardings_tree`, tokens, positions,
+    metadata and logits replicated, the cache by kv head (its host pools in
+    `host_memory_kind`, default: what `init_kv_cache` picks for the mesh's devices). The cache
+    is donated. Single-device inputs (e.g. `make_metadata`'s) are moved onto the mesh; the
+    params and cache must already carry these shardings (`shard_params`, `shard_kv_cache`).
+    """
+    if host_memory_kind is None:
+        host_memory_kind = kc.host_memory_kind(mesh.devices.flat[0])
+    replicated = NamedSharding(mesh, P())
+    cache = kv_cache_shardings(mesh, host_memory_kind)
+    return jax.jit(functools.partial(paged_forward, impl=impl), static_argnums=0,
+                   in_shardings=(param_shardings_tree, replicated, replicated, replicated, cache),
+                   out_shardings=(replicated, cache), donate_argnums=5)
+
+
+# ----------------------------------------------------------------------------- weight loading
+
+
+def place_hf_tensors(model_abstract_or_config, tensors: dict[str, np.ndarray], mesh: Mesh):
+    """Params (an nnx.State) holding HF-named host `tensors`, each device given only its slice.
+
+    `model_abstract_or_config`: a LlamaConfig, or a model (e.g. `nnx.eval_shape(...)`) whose
+    `nnx.graphdef` the caller merges these params into. Every array is built with
+    `jax.make_array_from_callback`: the callback slices the host array (transposed as a view
+    for kernels) and casts only that slice, so no device ever holds more than its shard.
+    Raises ValueError naming missing, unexpected and mis-shaped tensors.
+    """
+    model = model_abstract_or_config
+    if isinstance(model, LlamaConfig):
+        model = nnx.eval_shape(lambda: LlamaForCausalLM(model_abstract_or_config, nnx.Rngs(0)))
+    config, size = model.config, mesh.shape["model"]
+    check_tensor_parallel(config, size)
+    expected = hf_param_names(model)
+    ignored = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    given = {n for n in tensors if not n.endswith("rotary_emb.inv_freq")} - ignored
+    missing, extra = sorted(set(expected) - given), sorted(given - set(expected))
+    misshaped = [f"{n}: got {tuple(np.shape(tensors[n]))}, want {expected[n][1]}"
+                 for n in sorted(given & set(expected)) if tuple(np.shape(tensors[n])) != expected[n][1]]
+    if missing or extra or misshaped:
+        raise ValueError(f"HF tensors do not fit the model: missing={missing} unexpected={extra} "
+                         f"misshaped={misshaped}")
+    dtype = jnp.dtype(config.dtype)
+    state = nnx.state(model, nnx.Param)
+    flat = nnx.to_flat_state(state)
+    by_path = dict(flat)
+    for name, (path, hf_shape, transposed) in expected.items():
+        host = np.asarray(tensors[name])
+        host = host.T if transposed else host  # a view: nothing copied yet
+        sharding = NamedSharding(mesh, param_spec(path, config, size))
+        by_path[path].set_value(jax.make_array_from_callback(
+            host.shape, sharding, lambda index, host=host: np.asarray(host[index], dtype=dtype)))
+    return nnx.from_flat_state(flat)
+
+
+# ----------------------------------------------------------------------------- multi-host
+
+
+def is_leader(process_index: int | None = None) -> bool:
+    """Whether this process (or the given index) is process 0: the one serving requests."""
+    return (jax.process_index() if process_index is None else process_index) == 0
+
+
+def share_from_leader(tree, process_index: int | None = None, broadcast=None):
+    """Every host calls this with a same-shaped pytree; all get the leader's values back.
+
+    Followers pass placeholders of the same shapes (e.g. an empty request batch). `broadcast`
+    defaults to `multihost_utils.broadcast_one_to_all` (the identity in one process); tests
+    inject a fake to simulate several hosts.
+    """
+    broadcast = broadcast or multihost_utils.broadcast_one_to_all
+    return broadcast(tree, is_source=is_leader(process_index))
