@@ -1,0 +1,278 @@
+"""On-device sampling: every per-row parameter is an array, so a new value never recompiles.
+
+One row of logits is processed like vLLM V0's sampler, in this order::
+
+    logits[V] --/ temperature --> top-k --> top-p --> min-p --> categorical(key)  -> token
+        |                         '-- threshold search: only when a row needs it --'
+        '-- log_softmax (raw) at the token ---------------------------------------> logprob
+
+Greedy rows (temperature < 1e-5, vLLM's `_SAMPLING_EPS`) take `argmax` of the raw logits
+(lowest id on ties) and ignore their key. Filters work by a per-row threshold on values,
+found by bisection over the float order (exact, no sort), so ties at a boundary are all kept.
+
+Reproducibility: the key of a token is a function of (the request's seed, or the request's
+identity under the engine key; the sequence's index within the request; the position the
+token will take in the sequence) and of nothing else -- not the step, the slot, the batch
+row or the other rows in the batch::
+
+    base  = PRNGKey(seed)                        if the request has a seed
+          = fold_in(engine_key, request_id_hash) otherwise
+    key   = fold_in(fold_in(base, seq_index), position)
+
+and a row's token depends only on its logits, its parameters and its key. So a sequence
+recomputed after a preemption samples exactly the tokens it sampled before. Keys are raw
+`uint32[2]` threefry keys (`jax.random.PRNGKey`), which pack into plain arrays.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+SAMPLING_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below it means greedy
+_SEED_LIMIT = 2**32  # seeds are stored as uint32
+
+
+@struct.dataclass
+class SamplingArrays:
+    """Sampling parameters per request slot (G = num_slots); all leaves are arrays.
+
+    Attributes:
+      temperature: float32[G]  < SAMPLING_EPS => greedy (argmax).
+      top_k: int32[G]          <= 0 (or >= vocab) => disabled.
+      top_p: float32[G]        1.0 => disabled.
+      min_p: float32[G]        0.0 => disabled.
+      seed: uint32[G]          the request's seed; read only where `has_seed`.
+      has_seed: bool[G]        False => the key comes from the engine key and `request_hash`.
+      request_hash: uint32[G]  `request_id_hash(request_id)`: stable across processes.
+    """
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    min_p: jax.Array
+    seed: jax.Array
+    has_seed: jax.Array
+    request_hash: jax.Array
+
+
+def init_sampling_arrays(num_slots: int) -> SamplingArrays:
+    """Greedy, unseeded parameters for `num_slots` empty slots."""
+    return SamplingArrays(
+        temperature=jnp.zeros(num_slots, jnp.float32), top_k=jnp.full(num_slots, -1, jnp.int32),
+        top_p=jnp.ones(num_slots, jnp.float32), min_p=jnp.zeros(num_slots, jnp.float32),
+        seed=jnp.zeros(num_slots, jnp.uint32), has_seed=jnp.zeros(num_slots, bool),
+        request_hash=jnp.zeros(num_slots, jnp.uint32))
+
+
+def request_id_hash(request_id: str) -> int:
+    """A uint32 hash of a request id. CRC32, not `hash()`: Python salts str hashes per process."""
+    return zlib.crc32(request_id.encode("utf-8"))
+
+
+def make_sampling_arrays(requests: list[dict]) -> SamplingArrays:
+    """Host side: validate N requests' parameters and pack them as a SamplingArrays of N rows.
+
+    Each dict has an `id` and optionally vLLM's `temperature` (1.0), `top_k` (-1),
+    `top_p` (1.0), `min_p` (0.0) and `seed` (None).
+    """
+    cols = {name: [r.get(name, default) for r in requests] for name, default in
+            (("temperature", 1.0), ("top_k", -1), ("top_p", 1.0), ("min_p", 0.0), ("seed", None))}
+    validate_sampling_params(**cols)
+    return SamplingArrays(
+        temperature=jnp.asarray(cols["temperature"], jnp.float32).reshape(-1),
+        top_k=jnp.asarray(cols["top_k"], jnp.int32).reshape(-1),
+        top_p=jnp.asarray(cols["top_p"], jnp.float32).reshape(-1),
+        min_p=jnp.asarray(cols["min_p"], jnp.float32).reshape(-1),
+        seed=jnp.asarray([s or 0 for s in cols["seed"]], jnp.uint32).reshape(-1),
+        has_seed=jnp.asarray([s is not None for s in cols["seed"]], bool).reshape(-1),
+        request_hash=jnp.asarray([request_id_hash(r["id"]) for r in requests],
+                                 jnp.uint32).reshape(-1))
+
+
+def write_slots(arrays: SamplingArrays, slots: jax.Array, rows: SamplingArrays) -> SamplingArrays:
+    """Write `rows` (N rows) into `slots` (int32[N]); out-of-range slots (padding) are dropped."""
+    return jax.tree.map(lambda a, r: a.at[slots].set(r, mode="drop"), arrays, rows)
+
+
+def validate_sampling_params(temperature, top_k, top_p, min_p, seed=None) -> None:
+    """Host-side check, vLLM's limits. Each argument is a scalar or a sequence (one per request).
+
+    Raises ValueError naming the field, the limit and the offending value.
+    """
+    checks = (
+        ("temperature", temperature, lambda t: math.isfinite(t) and t >= 0,
+         "must be finite and >= 0"),
+        ("top_k", top_k, lambda k: float(k).is_integer() and (k >= 1 or k in (0, -1)),
+         "must be -1 or 0 (disabled) or an integer >= 1"),
+        ("top_p", top_p, lambda p: 0 < p <= 1, "must be in (0, 1]"),
+        ("min_p", min_p, lambda p: 0 <= p <= 1, "must be in [0, 1]"),
+        ("seed", seed, lambda s: s is None or (float(s).is_integer() and 0 <= s < _SEED_LIMIT),
+         f"must be None or an integer in [0, {_SEED_LIMIT})"),
+    )
+    for name, values, ok, limit in checks:
+        for i, v in enumerate(np.ravel(np.asarray(values, dtype=object))):
+            if not _passes(ok, v):
+                where = "" if np.ndim(values) == 0 else f"[{i}]"
+                raise ValueError(f"{name}{where} {limit}, got {v!r}")
+
+
+def _passes(ok, value) -> bool:
+    """ok(value), with bools and non-numbers (strings, None where a number is due) failing."""
+    if isinstance(value, (bool, np.bool_)):
+        return False
+    try:
+        return bool(ok(value))
+    except (TypeError, ValueError, OverflowError):
+        return False
+
+
+def request_base_key(engine_key: jax.Array, seed: jax.Array, has_seed: jax.Array,
+                     request_hash: jax.Array) -> jax.Array:
+    """One request's base key: PRNGKey(seed) if seeded, else fold_in(engine_key, request_hash).
+
+    Scalars in, uint32[2] out; vmap for rows. A typed `jax.random.key` engine key is unwrapped
+    to its raw data so both branches have one type.
+    """
+    if jax.dtypes.issubdtype(engine_key.dtype, jax.dtypes.prng_key):
+        engine_key = jax.random.key_data(engine_key)
+    seeded = jax.random.PRNGKey(jnp.asarray(seed, jnp.uint32))
+    derived = jax.random.fold_in(engine_key, jnp.asarray(request_hash, jnp.uint32))
+    return jnp.where(has_seed, seeded, derived)
+
+
+def token_key(base_key: jax.Array, seq_index: jax.Array, position: jax.Array) -> jax.Array:
+    """fold_in(fold_in(base_key, seq_index), position): the key of one token (uint32[2])."""
+    return jax.random.fold_in(jax.random.fold_in(base_key, seq_index), position)
+
+
+_SIGN = np.uint32(0x80000000)  # the float sign bit
+
+
+def _ordered_bits(x: jax.Array) -> jax.Array:
+    """uint32 values in the order of the float32 values (-0.0 just below +0.0).
+
+    Thresholds found on these are applied with float `>=`, which treats -0.0, +0.0 and (XLA:CPU
+    flushes them) subnormals as one value: such near-ties are all kept, like exact ties.
+    """
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    return jnp.where(bits >= _SIGN, ~bits, bits | _SIGN)
+
+
+def _bits_to_float(ordered: jax.Array) -> jax.Array:
+    """Inverse of `_ordered_bits`."""
+    bits = jnp.where(ordered >= _SIGN, ordered ^ _SIGN, ~ordered)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _largest_bits(ordered: jax.Array, holds) -> jax.Array:
+    """uint32[R]: per row the largest t with holds(t), for `holds` monotone (true, then false).
+
+    `ordered` is uint32[R, V] from `_ordered_bits`. 32 halvings of the uint32 range, so exact:
+    holds(t) only changes at the row's own values, so the answer is one of them. The search
+    starts at the row's smallest value, assumed to hold (it is the row's full set), so even a
+    rounding surprise yields a real value, never a NaN bit pattern.
+    """
+    def halve(_, bounds):
+        lo, hi = bounds
+        mid = lo + ((hi - lo) >> 1) + ((hi - lo) & 1)  # ceil midpoint, no uint32 overflow
+        ok = holds(mid[:, None])
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
+    bounds = (jnp.min(ordered, axis=-1), jnp.max(ordered, axis=-1))
+    return jax.lax.fori_loop(0, 32, halve, bounds)[0]
+
+
+def _top_k_top_p_threshold(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """float32[R]: the smallest scaled logit that survives top-k then top-p.
+
+    top-k keeps values >= the k-th largest (ties kept). top-p then keeps the smallest set of
+    largest values whose mass under the renormalised top-k distribution is >= p (vLLM V0
+    applies top-p after top-k, on the renormalised remainder), so the max always stays.
+    """
+    v = scaled.shape[-1]
+    ordered = _ordered_bits(scaled)
+    k = jnp.where((top_k <= 0) | (top_k >= v), v, top_k)
+    # NOTE: a bisection over the float order instead of a sort: 2 x 32 masked reductions of
+    # [R, V], exact since the threshold is one of the row's own values. Measured on 2 CPU cores,
+    # R=32, V=49152: one search ~15 ms against ~310 ms for the sort; all of `sample` with
+    # top-k/top-p ~3x faster, with the same tokens.
+    thr_k = _largest_bits(ordered, lambda t: jnp.sum(ordered >= t, axis=-1) >= k)
+    probs = jnp.where(ordered >= thr_k[:, None],
+                      jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True)), 0.0)
+    need = top_p * jnp.sum(probs, axis=-1)
+    thr_p = _largest_bits(
+        ordered, lambda t: jnp.sum(jnp.where(ordered >= t, probs, 0.0), axis=-1) >= need)
+    # NOTE: p == 1 must keep everything; a rounded mass can fall short of 1 * total, so a
+    # disabled row skips top-p outright. max(): top-p only ever narrows the top-k set.
+    thr = jnp.where(top_p < 1, jnp.maximum(thr_k, thr_p), thr_k)
+    return _bits_to_float(thr)
+
+
+def filter_logits(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                  min_p: jax.Array) -> jax.Array:
+    """Mask to -inf what top-k, top-p and min-p drop from temperature-scaled logits [R, V]."""
+    v = scaled.shape[-1]
+    needs_search = jnp.any(((top_k > 0) & (top_k < v)) | (top_p < 1))
+    # NOTE: the search is the costly step (64 passes over [R, V]; V = 49152 for SmolLM2), so
+    # batches with no top-k/top-p row skip it. A row with both disabled gets its smallest value
+    # (keep all) from one branch and -inf from the other: the same mask, so a row's output never
+    # depends on its neighbours. Under vmap, cond becomes a select and both branches run.
+    thr = jax.lax.cond(needs_search, _top_k_top_p_threshold,
+                       lambda s, k, p: jnp.full(s.shape[:1], -jnp.inf, s.dtype),
+                       scaled, top_k, top_p)
+    kept = jnp.where(scaled >= thr[:, None], scaled, -jnp.inf)
+    # min-p: prob < min_p * max_prob  <=>  exp(logit - max_logit) < min_p (no normalisation).
+    row_max = jnp.max(kept, axis=-1, keepdims=True)
+    return jnp.where(jnp.exp(kept - row_max) < min_p[:, None], -jnp.inf, kept)
+
+
+def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
+           min_p: jax.Array, keys: jax.Array, want_logprobs: bool = True
+           ) -> tuple[jax.Array, jax.Array]:
+    """Sample one token per row. Jittable; only `want_logprobs` is static.
+
+    Args:
+      logits: float[R, V] raw model logits.
+      temperature, top_p, min_p: float32[R];  top_k: int32[R]  (see SamplingArrays).
+      keys: uint32[R, 2] (or typed keys[R]): each row's `token_key`.
+      want_logprobs: False skips the logsumexp and returns zeros.
+    Returns:
+      tokens int32[R]; logprobs float32[R] = log_softmax(raw logits)[token]. NOTE: raw, like
+      vLLM V1's default `raw_logprobs`; V0 returned the processed (scaled, filtered) ones.
+    """
+    logits = logits.astype(jnp.float32)
+    is_greedy = temperature < SAMPLING_EPS
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # first max: lowest id on ties
+
+    def random_rows():
+        scaled = logits / jnp.where(is_greedy, 1.0, temperature)[:, None]
+        filtered = filter_logits(scaled, top_k, top_p, min_p)
+        return jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
+
+    # An all-greedy batch skips the [R, V] Gumbel noise as well as the threshold search.
+    sampled = jax.lax.cond(jnp.all(is_greedy), lambda: greedy, random_rows)
+    tokens = jnp.where(is_greedy, greedy, sampled)
+    if not want_logprobs:
+        return tokens, jnp.zeros(tokens.shape, jnp.float32)
+    picked = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
+    return tokens, picked - jax.nn.logsumexp(logits, axis=-1)
+
+
+def sample_slots(arrays: SamplingArrays, engine_key: jax.Array, slot: jax.Array,
+                 seq_index: jax.Array, position: jax.Array, logits: jax.Array,
+                 want_logprobs: bool = True) -> tuple[jax.Array, jax.Array]:
+    """Sample row r of `logits` [R, V] with the parameters of `slot[r]` (int32[R]).
+
+    seq_index: int32[R], the sequence's index within its request. position: int32[R], the
+    index the sampled token takes in its sequence (prompt + outputs so far). Padding rows may
+    use any in-range slot; their tokens are meaningless and cost one row of work.
+    """
+    rows = jax.tree.map(lambda a: a[slot], arrays)
+    base = jax.vmap(request_base_key, in_axes=(None, 0, 0, 0))(
+        engine_key, rows.seed, rows.has_seed, rows.request_hash)
+    keys = jax.vmap(token_key)(base, seq_index, position)
+    return sample(logits, rows.temperature, rows.top_k, rows.top_p, rows.min_p, keys,
+                  want_logprobs)
