@@ -143,7 +143,7 @@ def init_engine(config: SchedulerConfig, kv_cache: kvc.KVCache, eos_token_id: in
     cap = config.capacity()
     g, s, m = cap.num_slots, cap.max_seqs_per_group, cap.max_blocks_per_seq
     z = lambda *shape, dt=jnp.int32: jnp.zeros(shape, dt)
-    return EngineState(
+    state = EngineState(
         sched=init_state(config), kv=kv_cache,
         token_ids=z(g, s, m * cap.block_size), pending=z(g, s), pending_logprob=z(g, s, dt=jnp.float32),
         sampling=SamplingRows(temperature=z(g, dt=jnp.float32), top_k=z(g), top_p=jnp.ones((g,), jnp.float32),
@@ -151,6 +151,10 @@ def init_engine(config: SchedulerConfig, kv_cache: kvc.KVCache, eos_token_id: in
                               min_tokens=z(g), ignore_eos=z(g, dt=bool), stop_token_ids=jnp.full((g, 8), -1, jnp.int32)),
         eos_token_id=jnp.asarray(-1 if eos_token_id is None else eos_token_id, jnp.int32),
     )
+    # Commit every array to its device, as `step`'s outputs are: otherwise the second step
+    # sees other input shardings and compiles the whole engine again.
+    device = kv_cache.k.devices().pop()
+    return jax.tree.map(lambda x: x if getattr(x, "committed", True) else jax.device_put(x, device), state)
 
 
 def _admit(state: EngineState, new: NewRequests) -> EngineState:

@@ -92,7 +92,8 @@ def simulate(config: dict | SchedulerConfig, requests: list[dict], *, step_time:
     arrivals = trace.arrivals_by_step()
     width = max(8, max((len(v) for v in arrivals.values()), default=1))
     width = 1 << math.ceil(math.log2(width))
-    state = init_state(cfg)
+    # Committed like the scan's outputs, so the second chunk reuses the first one's executable.
+    state = jax.device_put(init_state(cfg), jax.devices()[0])
     records, frees = [], []
     num_requests, finished = len(trace.requests), 0
     step = 0

@@ -1,0 +1,177 @@
+"""The engine end to end on a tiny random-weight model: preemption is invisible (SPEC B2/B4)."""
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxsched import check_invariants
+from jaxsched.engine import step_impl
+from jaxsched.llm import LLM
+from jaxsched.params import SamplingParams
+from models.llama import LlamaConfig, LlamaForCausalLM, dense_forward
+
+VOCAB = 97
+MODEL_CONFIG = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                           max_position_embeddings=256)
+# One capacity for every engine below: the limits vary, the compiled step does not.
+ENGINE = dict(block_size=4, num_slots=16, max_seqs_per_group=4, max_num_seqs=8,
+              max_num_batched_tokens=64, max_model_len=96, num_device_blocks_capacity=64,
+              num_host_blocks_capacity=64)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return LlamaForCausalLM(MODEL_CONFIG, nnx.Rngs(0))
+
+
+def make_llm(model, **overrides) -> LLM:
+    # The reference attention compiles fastest; the kernels themselves are tested in test_llama.
+    args = dict(ENGINE, num_device_blocks=64, num_host_blocks=64, attention_impl="reference")
+    args.update(overrides)
+    return LLM(model, **args)
+
+
+def make_prompts(num: int, seed: int = 0, lengths=(4, 24)) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, VOCAB, size=int(rng.integers(*lengths))).tolist() for _ in range(num)]
+
+
+def run(llm: LLM, prompts, params, check=True):
+    """generate(), but stepping by hand so the invariants are checked after every step."""
+    ids = [f"r{i}" for i in range(len(prompts))]
+    for rid, prompt, p in zip(ids, prompts, params):
+        llm.add_request(rid, prompt, p)
+    while llm.has_unfinished():
+        llm.step()
+        if check:
+            check_invariants(llm.state.sched, llm.config)
+    return {rid: [o.token_ids for o in llm._requests[llm._by_id[rid]].output().outputs] for rid in ids}
+
+
+def mixed_params(num):
+    out = []
+    for i in range(num):
+        if i % 3 == 0:
+            out.append(SamplingParams(max_tokens=12 + i % 5, temperature=0.0, n=1 + i % 3))
+        else:
+            out.append(SamplingParams(max_tokens=10 + i % 7, temperature=0.9, top_p=0.9 if i % 2 else 1.0,
+                                      top_k=20 if i % 4 == 1 else -1, seed=100 + i, n=1 + i % 3))
+    return out
+
+
+@pytest.fixture(scope="module")
+def baseline(model):
+    prompts, params = make_prompts(10, seed=1), mixed_params(10)
+    llm = make_llm(model)
+    outs = run(llm, prompts, params)
+    assert llm.stats()["preempted_recompute"] + llm.stats()["preempted_swap"] == 0
+    return prompts, params, outs
+
+
+@pytest.mark.parametrize("small", [
+    dict(num_device_blocks=24, preemption_mode="recompute"),
+    dict(num_device_blocks=24, preemption_mode="swap"),
+    dict(num_device_blocks=24),                                  # recompute for n=1, swap for n>1
+    dict(num_device_blocks=24, num_host_blocks=3, preemption_mode="swap"),   # SPEC B1: host too small
+    dict(num_device_blocks=24, enable_chunked_prefill=True, max_num_batched_tokens=16),
+    dict(num_device_blocks=40, artificial_preemption=True),
+], ids=["recompute", "swap", "auto", "host-too-small", "chunked", "artificial"])
+def test_engine__preemption_is_invisible(model, baseline, small):
+    prompts, params, expected = baseline
+    llm = make_llm(model, **small)
+    got = run(llm, prompts, params)
+    stats = llm.stats()
+    assert stats["preempted_recompute"] + stats["preempted_swap"] > 0, stats
+    assert stats["ignored"] == 0
+    assert got == expected
+
+
+def test_engine__greedy_equals_plain_dense_generation(model):
+    prompts = make_prompts(6, seed=2)
+    llm = make_llm(model, num_device_blocks=20, preemption_mode="swap")
+    outs = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0), use_tqdm=False)
+    width = 48     # one padded length: causal attention ignores the padding to the right
+    for prompt, out in zip(prompts, outs):
+        ids = list(prompt)
+        for _ in range(10):
+            padded = jnp.asarray([ids + [0] * (width - len(ids))])
+            ids.append(int(jnp.argmax(dense_forward(model, padded)[0, len(ids) - 1])))
+        assert out.outputs[0].token_ids == ids[len(prompt):]
+        assert out.outputs[0].finish_reason == "length"
+
+
+def test_engine__no_retrace_over_a_long_mixed_run(model):
+    llm = make_llm(model, num_device_blocks=24)
+    guarded = jax.jit(chex.assert_max_traces(step_impl, n=1), static_argnames=("spec",), donate_argnums=(0,))
+    import jaxsched.llm as llm_module
+    original = llm_module.step
+    llm_module.step = guarded
+    try:
+        run(llm, make_prompts(12, seed=3), [SamplingParams(max_tokens=15, temperature=0.0)] * 12, check=False)
+        assert llm.stats()["steps"] > 30
+    finally:
+        llm_module.step = original
+        chex.clear_trace_counter()
+
+
+def test_engine__bad_requests_fail_alone(model):
+    llm = make_llm(model, num_device_blocks=8)
+    llm.add_request("ok", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0))
+    bad = [
+        (("long", list(range(97)) + [1]), "max_model_len=96"),
+        (("n", [1, 2], SamplingParams(n=9)), "max_num_seqs=8"),
+        (("t", [1, 2], SamplingParams(temperature=-1.0)), "temperature"),
+        (("p", [1, 2], SamplingParams(top_p=0.0)), "top_p"),
+        (("k", [1, 2], SamplingParams(top_k=-5)), "top_k"),
+        (("mt", [1, 2], SamplingParams(max_tokens=0)), "max_tokens"),
+        (("vocab", [1, 500]), "vocab_size"),
+        (("ok", [4, 5]), "duplicate"),
+    ]
+    for args, message in bad:
+        with pytest.raises(ValueError, match=message):
+            llm.add_request(*args)
+    # A prompt that can never fit 8 blocks of 4 tokens comes back ignored with a message.
+    llm.add_request("huge", list(range(60)), SamplingParams(max_tokens=2))
+    llm.add_request("ok2", [7, 8], SamplingParams(max_tokens=3, temperature=0.0))
+    while llm.has_unfinished():
+        llm.step()
+    outs = {rid: llm._requests[llm._by_id[rid]].output() for rid in ("ok", "huge", "ok2")}
+    assert outs["huge"].outputs[0].finish_reason == "ignored" and outs["huge"].message
+    assert len(outs["ok"].outputs[0].token_ids) == 4 and len(outs["ok2"].outputs[0].token_ids) == 3
+
+
+def test_engine__abort_frees_blocks_and_stops_only_that_request(model):
+    llm = make_llm(model, num_device_blocks=24)
+    for i, prompt in enumerate(make_prompts(4, seed=4)):
+        llm.add_request(f"a{i}", prompt, SamplingParams(max_tokens=30, temperature=0.0))
+    for _ in range(3):
+        llm.step()
+    llm.abort("a1")
+    while llm.has_unfinished():
+        llm.step()
+        check_invariants(llm.state.sched, llm.config)
+    outs = {f"a{i}": llm._requests[llm._by_id[f"a{i}"]].output() for i in range(4)}
+    assert outs["a1"].outputs[0].finish_reason == "abort"
+    assert all(outs[f"a{i}"].outputs[0].finish_reason == "length" for i in (0, 2, 3))
+    assert int(np.asarray(llm.state.sched.device_ref).sum()) == 0
+
+
+def test_engine__stop_tokens_min_tokens_and_logprobs(model):
+    llm = make_llm(model)
+    prompt = make_prompts(1, seed=5)[0]
+    free = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, logprobs=1), use_tqdm=False)[0]
+    toks = free.outputs[0].token_ids
+    assert len(free.outputs[0].logprobs) == 12 and all(lp <= 0 for lp in free.outputs[0].logprobs)
+    stop = toks[5]
+    first = toks.index(stop)
+    stopped = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=(stop,)),
+                           use_tqdm=False)[0].outputs[0]
+    assert stopped.token_ids == toks[:first + 1] and stopped.finish_reason == "stop"
+    late = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=(stop,),
+                                                 min_tokens=first + 1), use_tqdm=False)[0].outputs[0]
+    assert len(late.token_ids) > first + 1 and stop not in late.token_ids[:first + 1]
