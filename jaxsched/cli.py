@@ -3,11 +3,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from importlib import resources
 from pathlib import Path
 
 DEFAULT_TRACE = "swap-pressure.json"
+# Read when the backend starts (first computation), so setting it here still takes effect.
+os.environ.setdefault("XLA_FLAGS", "--xla_cpu_enable_concurrency_optimized_scheduler=false")
 
 
 def _bundled_trace(name: str) -> Path:

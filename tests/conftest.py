@@ -3,9 +3,12 @@ from __future__ import annotations
 
 import os
 
-import jax
-import numpy as np
-import pytest
+# Many tiny fusions: XLA:CPU's concurrency scheduler only adds thread hand-offs and compile time.
+os.environ.setdefault("XLA_FLAGS", "--xla_cpu_enable_concurrency_optimized_scheduler=false")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_cpu_enable_async_dispatch", False)
 
@@ -47,7 +50,7 @@ def drive(config: SchedulerConfig, requests: list[dict], *, step_time: float = 1
     Returns (per-step outputs as numpy dicts, final state, per-request final status).
     """
     cap = config.capacity()
-    state = init_state(config)
+    state = jax.device_put(init_state(config), jax.devices()[0])
     by_step: dict[int, list[int]] = {}
     for i, r in enumerate(requests):
         by_step.setdefault(r["arrival_step"], []).append(i)
