@@ -106,6 +106,8 @@ class LLM:
         self._stats = collections.Counter()
         self._peak = [0, 0]
         self._busy = 0.0
+        self._compile = 0.0
+        self._first_tokens = 0
 
     # -------------------------------------------------------------- requests
     def _encode(self, prompt: Prompt) -> tuple[Optional[str], list[int]]:
@@ -133,7 +135,8 @@ class LLM:
         idx = self._next
         self._next += 1
         n = params.n
-        detok = [self.tokenizer.detokenizer(ids) for _ in range(n)] if self.tokenizer else []
+        detok = ([self.tokenizer.detokenizer(ids, skip_special_tokens=True) for _ in range(n)]
+                 if self.tokenizer else [])
         self._requests[idx] = _Request(idx, request_id, text, ids, params, [[] for _ in range(n)],
                                        [[] for _ in range(n)], [None] * n, detok, [""] * n)
         self._by_id[request_id] = idx
@@ -211,7 +214,11 @@ class LLM:
         self.state, out = step(self.state, self.params, new, jnp.float32(time.monotonic() - self._t0),
                                spec=self.spec)
         out = jax.device_get(out)
-        self._busy += time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        if self._stats["steps"] == 0:
+            self._compile = elapsed          # the first step compiles the engine
+        else:
+            self._busy += elapsed
         return self._absorb(out)
 
     def _absorb(self, out) -> list[RequestOutput]:
@@ -226,6 +233,8 @@ class LLM:
         self._peak[0] = max(self._peak[0], self.config.num_device_blocks - int(out.num_free_device_blocks))
         self._peak[1] = max(self._peak[1], self.config.num_host_blocks - int(out.num_free_host_blocks))
         changed = []
+        if st["steps"] == 1:
+            self._first_tokens = int(out.has_token.sum())
         for slot in np.nonzero(out.has_token.any(1) | out.finished)[0]:
             req = self._requests[int(out.request_index[slot])]
             for i in np.nonzero(out.has_token[slot])[0]:
@@ -306,10 +315,11 @@ class LLM:
         elapsed = max(self._busy, 1e-9)
         return {
             "steps": st["steps"], "output_tokens": st["output_tokens"],
-            "tokens_per_s": round(st["output_tokens"] / elapsed, 1),
+            # Throughput of the steps after the first, which includes compiling the engine.
+            "tokens_per_s": round((st["output_tokens"] - self._first_tokens) / elapsed, 1),
             "preempted_recompute": st["preempted_recompute"], "preempted_swap": st["preempted_swap"],
             "blocks_swapped_out": st["blocks_swapped_out"], "blocks_swapped_in": st["blocks_swapped_in"],
             "blocks_copied": st["blocks_copied"], "ignored": st["ignored"],
             "peak_device_blocks": self._peak[0], "peak_host_blocks": self._peak[1],
-            "engine_seconds": round(elapsed, 2),
+            "engine_seconds": round(elapsed, 2), "compile_seconds": round(self._compile, 1),
         }
