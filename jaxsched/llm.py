@@ -68,33 +68,51 @@ class LLM:
     """
 
     def __init__(self, model=None, *, tokenizer=None, seed: int = 0, dtype: str = "float32",
-                 attention_impl: str = "chunked", max_requests_per_step: int = 8, **engine_args):
+                 attention_impl: str = "chunked", max_requests_per_step: int = 8,
+                 mesh_shape: Optional[tuple[int, int]] = None, tensor_parallel_size: Optional[int] = None,
+                 devices=None, **engine_args):
         unknown = sorted(set(engine_args) - ENGINE_ARGS)
         if unknown:
             raise TypeError(f"LLM: unknown engine argument {unknown[0]!r}; "
                             f"expected SchedulerConfig fields")
-        from models.llama import LlamaForCausalLM, paged_forward
-        if isinstance(model, LlamaForCausalLM):
-            self.model, self.tokenizer = model, tokenizer
+        from models.llama import LlamaForCausalLM
+        if tensor_parallel_size is not None:
+            mesh_shape = (1, tensor_parallel_size)
+        data, tp = mesh_shape or (1, 1)
+        if isinstance(model, tuple):                     # weights handed down to a replica
+            model_config, tensors, instance = model
+        elif isinstance(model, LlamaForCausalLM):
+            model_config, tensors, instance = model.config, None, model
         else:
-            from models.loader import load_model
-            self.model, loaded_tok = load_model(model, dtype=dtype)
-            self.tokenizer = tokenizer or loaded_tok
-        mc = self.model.config
-        engine_args.setdefault("max_model_len", min(1024, mc.max_position_embeddings))
+            from models.loader import load_weights
+            model_config, tensors, loaded_tok = load_weights(model, dtype=dtype)
+            instance, tokenizer = None, tokenizer or loaded_tok
+        self.model_config, self.tokenizer = model_config, tokenizer
+        self._replicas: list[LLM] = []
+        if data > 1:
+            # Data parallel: independent engines on disjoint slices of the mesh.
+            from jaxsched.sharding import make_mesh
+            mesh = make_mesh(data, tp, devices)
+            kw = dict(tokenizer=tokenizer, seed=seed, dtype=dtype, attention_impl=attention_impl,
+                      max_requests_per_step=max_requests_per_step, **engine_args)
+            self._replicas = [LLM((model_config, tensors, instance), mesh_shape=(1, tp),
+                                  devices=list(mesh.devices[i].flat), **kw) for i in range(data)]
+            self.config = self._replicas[0].config
+            self._owner: dict[str, LLM] = {}
+            return
+        engine_args.setdefault("max_model_len", min(1024, model_config.max_position_embeddings))
         engine_args.setdefault("max_num_batched_tokens", max(512, engine_args.get("max_num_seqs", 16)))
         engine_args.setdefault("seed", seed)
         self.config = SchedulerConfig(**engine_args)
         cap = self.config.capacity()
-        kv = init_kv_cache(mc.num_hidden_layers, cap.num_device_blocks + 1, cap.num_host_blocks + 1,
-                           cap.block_size, mc.num_key_value_heads, mc.head_dim, dtype=jnp.dtype(mc.dtype))
-        graphdef, self.params = nnx.split(self.model)
-        self.spec = EngineSpec(cap=cap, forward=paged_forward, graphdef=graphdef,
+        graphdef, self.params, forward, kv, place = _place_model(
+            model_config, tensors, instance, cap, tp, devices, attention_impl)
+        self.spec = EngineSpec(cap=cap, forward=forward, graphdef=graphdef,
                                token_buckets=token_buckets(self.config.max_num_batched_tokens),
                                num_sample_rows=self.config.max_num_seqs,
                                max_prompt_len=self.config.max_model_len, attention_impl=attention_impl)
         eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
-        self.state = init_engine(self.config, kv, eos)
+        self.state = place(init_engine(self.config, kv, eos))
         self._seed = seed
         self._rows = max_requests_per_step
         self._requests: dict[int, _Request] = {}
@@ -116,13 +134,21 @@ class LLM:
                 raise ValueError("prompt: text needs a tokenizer; pass token ids instead")
             return prompt, self.tokenizer.encode(prompt)
         ids = [int(t) for t in prompt]
-        vocab = self.model.config.vocab_size
+        vocab = self.model_config.vocab_size
         if any(t < 0 or t >= vocab for t in ids):
             raise ValueError(f"prompt: token ids must be in [0, vocab_size={vocab})")
         return None, ids
 
     def add_request(self, request_id: str, prompt: Prompt, params: Optional[SamplingParams] = None) -> None:
         """Validate and queue one request; raises ValueError and changes nothing if it is bad."""
+        if self._replicas:
+            if request_id in self._owner:
+                raise ValueError(f"request_id {request_id!r}: duplicate id")
+            # Least load: the replica with the fewest unfinished requests takes it.
+            target = min(self._replicas, key=lambda r: sum(not q.finished for q in r._requests.values()))
+            target.add_request(request_id, prompt, params)
+            self._owner[request_id] = target
+            return
         params = params or SamplingParams()
         if request_id in self._by_id:
             raise ValueError(f"request_id {request_id!r}: duplicate id")
@@ -144,6 +170,10 @@ class LLM:
 
     def abort(self, request_id: str) -> None:
         """Stop a request wherever it is; its blocks are freed at once."""
+        if self._replicas:
+            if request_id in self._owner:
+                self._owner[request_id].abort(request_id)
+            return
         idx = self._by_id.get(request_id)
         if idx is None or self._requests[idx].finished:
             return
@@ -157,7 +187,15 @@ class LLM:
         self.state = self.state.replace(sched=abort_slots(sched, mask))
 
     def has_unfinished(self) -> bool:
+        if self._replicas:
+            return any(r.has_unfinished() for r in self._replicas)
         return any(not r.finished for r in self._requests.values())
+
+    def output(self, request_id: str) -> RequestOutput:
+        """The request's output so far."""
+        if self._replicas:
+            return self._owner[request_id].output(request_id)
+        return self._requests[self._by_id[request_id]].output()
 
     def _finish(self, req: _Request, reasons, message=None):
         req.finished = True
@@ -209,6 +247,8 @@ class LLM:
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the requests that advanced or finished."""
+        if self._replicas:
+            return [o for r in self._replicas if r.has_unfinished() for o in r.step()]
         new, _ = self._new_requests()
         start = time.perf_counter()
         self.state, out = step(self.state, self.params, new, jnp.float32(time.monotonic() - self._t0),
@@ -263,12 +303,13 @@ class LLM:
 
     # -------------------------------------------------------------- front ends
     def _submit(self, prompts, sampling_params) -> list[str]:
+        base = sum(len(r._requests) for r in self._replicas) if self._replicas else self._next
         if isinstance(prompts, (str,)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         ids = []
-        for prompt, p in zip(prompts, params):
-            rid = f"req-{self._next}"
+        for k, (prompt, p) in enumerate(zip(prompts, params)):
+            rid = f"req-{base + k}"
             self.add_request(rid, prompt, p)
             ids.append(rid)
         return ids
@@ -290,13 +331,13 @@ class LLM:
                         bar.update(1)
         if bar:
             bar.close()
-        return [self._requests[self._by_id[i]].output() for i in ids]
+        return [self.output(i) for i in ids]
 
     def generate_stream(self, prompts, sampling_params: Optional[SamplingParams] = None
                         ) -> Iterator[RequestOutput]:
         """Yield each request's output so far every time it gets tokens (text is whole UTF-8)."""
         ids = set(self._submit(prompts, sampling_params))
-        while any(not self._requests[self._by_id[i]].finished for i in ids):
+        while any(not self.output(i).finished for i in ids):
             for out in self.step():
                 if out.request_id in ids:
                     yield out
@@ -311,6 +352,16 @@ class LLM:
         return self.generate([ids], sampling_params, use_tqdm=use_tqdm)[0]
 
     def stats(self) -> dict:
+        if self._replicas:
+            # Replicas step one after another in this process: rates add up over summed time.
+            parts = [r.stats() for r in self._replicas]
+            total = {k: sum(p[k] for p in parts) for k in parts[0]}
+            for k in ("peak_device_blocks", "peak_host_blocks", "steps", "compile_seconds"):
+                total[k] = max(p[k] for p in parts)
+            total["tokens_per_s"] = round(sum(p["tokens_per_s"] * p["engine_seconds"] for p in parts)
+                                          / max(total["engine_seconds"], 1e-9), 1)
+            total["replicas"] = len(parts)
+            return total
         st = self._stats
         elapsed = max(self._busy, 1e-9)
         return {
@@ -323,3 +374,48 @@ class LLM:
             "peak_device_blocks": self._peak[0], "peak_host_blocks": self._peak[1],
             "engine_seconds": round(elapsed, 2), "compile_seconds": round(self._compile, 1),
         }
+
+
+def _place_model(model_config, tensors, instance, cap, tp, devices, attention_impl):
+    """(graphdef, params, forward, kv cache, place-state fn) on one device or a TP mesh."""
+    from models.llama import LlamaForCausalLM, paged_forward
+    mc = model_config
+    dtype = jnp.dtype(mc.dtype)
+    shape = (mc.num_hidden_layers, cap.num_device_blocks + 1, cap.num_host_blocks + 1, cap.block_size,
+             mc.num_key_value_heads, mc.head_dim)
+    if tp == 1 and not devices:
+        if instance is None:
+            from models.loader import build_model
+            instance = build_model(mc, tensors)
+        graphdef, params = nnx.split(instance)
+        return graphdef, params, paged_forward, init_kv_cache(*shape, dtype=dtype), lambda st: st
+    from jax.sharding import NamedSharding, PartitionSpec
+    from jaxsched import sharding as sh
+    sh.check_tensor_parallel(mc, tp)
+    mesh = sh.make_mesh(1, tp, devices)
+    abstract = nnx.eval_shape(lambda: LlamaForCausalLM(mc, nnx.Rngs(0)))
+    graphdef = nnx.graphdef(abstract)
+    # Each device receives only its own slice of every weight.
+    params = (sh.place_hf_tensors(abstract, tensors, mesh) if tensors is not None
+              else sh.shard_params(nnx.state(instance, nnx.Param), mc, mesh))
+    kv = sh.init_sharded_kv_cache(mesh, *shape, dtype=dtype)
+    fwd = sh.make_sharded_forward(mesh, sh.param_shardings(nnx.state(abstract, nnx.Param), mc, mesh),
+                                  impl=attention_impl)
+    forward = _MeshForward(fwd)
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def place(state):
+        # The scheduler state and token buffers are small: replicated over the mesh.
+        rest = jax.device_put(state.replace(kv=None), replicated)
+        return rest.replace(kv=state.kv)
+    return graphdef, params, forward, kv, place
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _MeshForward:
+    """The engine's forward signature over a mesh-jitted forward (it takes no `impl`)."""
+    fn: object
+
+    def __call__(self, graphdef, params, tokens, positions, metadata, kv_cache, impl):
+        del impl
+        return self.fn(graphdef, params, tokens, positions, metadata, kv_cache)

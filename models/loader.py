@@ -47,9 +47,9 @@ def build_model(config: LlamaConfig, tensors: dict[str, np.ndarray]) -> LlamaFor
     return model
 
 
-def load_model(name_or_path: Optional[str] = None, dtype: str = "float32"
-               ) -> tuple[LlamaForCausalLM, Optional[Tokenizer]]:
-    """(model, tokenizer) for a name, a .gguf file or an HF checkpoint directory."""
+def load_weights(name_or_path: Optional[str] = None, dtype: str = "float32"
+                 ) -> tuple[LlamaConfig, dict[str, np.ndarray], Optional[Tokenizer]]:
+    """(config, HF-named host tensors, tokenizer), before anything is placed on a device."""
     name = name_or_path or DEFAULT_MODEL
     if name.lower() in _ALIASES:
         path = find_smollm2_gguf()
@@ -66,5 +66,11 @@ def load_model(name_or_path: Optional[str] = None, dtype: str = "float32"
     else:
         hf_config, tensors = read_hf_checkpoint(path)
         tokenizer = Tokenizer.from_hf_dir(path) if (path / "tokenizer.json").exists() else None
-    config = LlamaConfig.from_hf(hf_config, dtype=dtype)
+    return LlamaConfig.from_hf(hf_config, dtype=dtype), tensors, tokenizer
+
+
+def load_model(name_or_path: Optional[str] = None, dtype: str = "float32"
+               ) -> tuple[LlamaForCausalLM, Optional[Tokenizer]]:
+    """(model, tokenizer) for a name, a .gguf file or an HF checkpoint directory."""
+    config, tensors, tokenizer = load_weights(name_or_path, dtype)
     return build_model(config, tensors), tokenizer

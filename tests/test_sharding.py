@@ -172,3 +172,43 @@ def test_multihost__simulated_leader_shares_requests_every_host_steps_only_leade
     np.testing.assert_array_equal(follower_logits, leader_logits)  # same inputs, same step
     assert sh.is_leader()  # one real process: it is process 0
     np.testing.assert_array_equal(sh.share_from_leader({"x": requests})["x"], requests)  # real broadcast: identity
+
+
+# ----------------------------------------------------------------------------- the LLM on a mesh
+
+
+@pytest.fixture(scope="module")
+def llm_report() -> dict:
+    worker = pathlib.Path(__file__).with_name("llm_sharding_worker.py")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"}
+    done = subprocess.run([sys.executable, str(worker)], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=worker.parent.parent)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout)
+
+
+def test_llm__tensor_and_data_parallel_match_one_device_with_preemption(llm_report):
+    runs = llm_report["runs"]
+    assert llm_report["devices"] == 8
+    for name, run in runs.items():
+        mode = name.split("-")[1]
+        assert run["tokens"] == runs[f"single-{mode}"]["tokens"], name
+        assert run["preempted"] > 0, f"{name}: the small cache should have preempted"
+
+
+def test_llm__cache_and_weights_really_are_sharded(llm_report):
+    runs = llm_report["runs"]
+    assert runs["single-swap"]["kv_shard_shapes"] == [[15, 2, 4, 4, 8]]
+    assert runs["tp2-recompute"]["kv_shard_shapes"] == [[15, 2, 4, 2, 8]]      # kv heads 4 / 2
+    assert runs["tp4-swap"]["kv_shard_shapes"] == [[15, 2, 4, 1, 8]]
+    assert "model" in runs["tp4-swap"]["kv_spec"]
+    assert runs["tp2-recompute"]["q_shard_shapes"] == [[64, 32]]               # q_proj column-parallel
+    assert runs["tp4-swap"]["q_shard_shapes"] == [[64, 16]]
+    devices = runs["dp2_tp4-swap"]["replica_devices"]
+    assert devices == [[0, 1, 2, 3], [4, 5, 6, 7]]                            # disjoint replicas
+
+
+def test_llm__mesh_that_does_not_divide_the_heads_is_rejected(llm_report):
+    message = llm_report["bad_mesh_error"]
+    assert "num_attention_heads=8" in message and "3" in message

@@ -1,0 +1,59 @@
+"""Run in a subprocess with 8 simulated CPU devices: the LLM front end over a mesh.
+
+Prints one JSON object: greedy tokens per configuration (with preemption forced) and the
+shardings the engine really used. `test_sharding.py::test_llm__*` asserts on it.
+"""
+import json
+import os
+import sys
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from jaxsched.llm import LLM  # noqa: E402
+from jaxsched.params import SamplingParams  # noqa: E402
+from models.llama import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+CONFIG = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256)
+ENGINE = dict(block_size=4, num_slots=8, max_seqs_per_group=2, max_num_seqs=8, max_num_batched_tokens=32,
+              max_model_len=64, num_device_blocks=14, num_host_blocks=32, attention_impl="reference")
+
+
+def main():
+    model = LlamaForCausalLM(CONFIG, nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 128, size=int(n)).tolist() for n in rng.integers(4, 14, size=6)]
+    params = [SamplingParams(max_tokens=10, temperature=0.0, n=1 + i % 2) for i in range(6)]
+    report = {"devices": len(jax.devices()), "runs": {}}
+    runs = [("single", {}, "swap"), ("single", {}, "recompute"), ("tp2", dict(tensor_parallel_size=2), "recompute"),
+            ("tp4", dict(tensor_parallel_size=4), "swap"), ("dp2_tp4", dict(mesh_shape=(2, 4)), "swap")]
+    for name, kw, mode in runs:
+        if True:
+            llm = LLM(model, preemption_mode=mode, **ENGINE, **kw)
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            stats = llm.stats()
+            run = {"tokens": [[c.token_ids for c in o.outputs] for o in outs],
+                   "preempted": stats["preempted_recompute"] + stats["preempted_swap"]}
+            engine = llm._replicas[0] if llm._replicas else llm
+            run["kv_spec"] = str(engine.state.kv.k.sharding.spec) if hasattr(engine.state.kv.k.sharding, "spec") else None
+            run["kv_shard_shapes"] = sorted({tuple(s.data.shape) for s in engine.state.kv.k.addressable_shards})
+            q = engine.params["model"]["layers"][0]["self_attn"]["q_proj"]["kernel"]
+            q = q.get_value() if hasattr(q, "get_value") else q.value
+            run["q_shard_shapes"] = sorted({tuple(s.data.shape) for s in q.addressable_shards})
+            run["replica_devices"] = [sorted({s.device.id for s in r.state.kv.k.addressable_shards})
+                                      for r in llm._replicas]
+            report["runs"][f"{name}-{mode}"] = run
+    try:
+        LLM(model, tensor_parallel_size=3, **ENGINE)
+    except ValueError as e:
+        report["bad_mesh_error"] = str(e)
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
