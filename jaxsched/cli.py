@@ -79,7 +79,10 @@ def cmd_generate(args) -> int:
     if args.enable_chunked_prefill:
         engine["enable_chunked_prefill"] = True
     try:
-        llm = LLM(args.model, seed=args.seed, dtype=args.dtype, **engine)
+        mesh = None
+        if args.tensor_parallel_size or args.data_parallel_size:
+            mesh = (args.data_parallel_size or 1, args.tensor_parallel_size or 1)
+        llm = LLM(args.model, seed=args.seed, dtype=args.dtype, mesh_shape=mesh, **engine)
         prompts = args.prompt or DEFAULT_PROMPTS
         params = []
         for i, text in enumerate(prompts):
@@ -134,6 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     gen.add_argument("--enable-chunked-prefill", action="store_true")
+    gen.add_argument("--tensor-parallel-size", type=int, default=None,
+                     help="shard the model and KV cache over N devices (jax.sharding)")
+    gen.add_argument("--data-parallel-size", type=int, default=None,
+                     help="independent engine replicas on disjoint device slices")
     gen.add_argument("--quiet", action="store_true", help="no progress bar")
     for name in ENGINE_FLAGS:
         kind = str if name == "preemption_mode" else float if name in ("delay_factor", "watermark") else int
