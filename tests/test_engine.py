@@ -175,3 +175,15 @@ def test_engine__stop_tokens_min_tokens_and_logprobs(model):
     late = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=(stop,),
                                                  min_tokens=first + 1), use_tqdm=False)[0].outputs[0]
     assert len(late.token_ids) > first + 1 and stop not in late.token_ids[:first + 1]
+
+
+def test_engine__streaming_yields_tokens_as_they_arrive(model):
+    llm = make_llm(model, num_device_blocks=24)
+    prompts = make_prompts(3, seed=6)
+    seen: dict[str, list[int]] = {}
+    for out in llm.generate_stream(prompts, SamplingParams(max_tokens=6, temperature=0.0)):
+        toks = out.outputs[0].token_ids
+        prev = seen.get(out.request_id, [])
+        assert toks[:len(prev)] == prev and len(toks) >= len(prev)   # grows, never rewrites
+        seen[out.request_id] = toks
+    assert sorted(len(t) for t in seen.values()) == [6, 6, 6]
