@@ -13,13 +13,12 @@ from __future__ import annotations
 import pathlib
 from typing import Optional
 
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from models.gguf import find_smollm2_gguf, read_gguf
 from models.hf import read_hf_checkpoint
-from models.llama import LlamaConfig, LlamaForCausalLM, hf_param_names
+from models.llama import LlamaConfig, LlamaForCausalLM, load_hf_state_dict
 from models.tokenizer import Tokenizer
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -29,21 +28,7 @@ _ALIASES = {"smollm2-135m", "smollm2-135m-instruct", "smollm2"}
 def build_model(config: LlamaConfig, tensors: dict[str, np.ndarray]) -> LlamaForCausalLM:
     """A model whose parameters are exactly `tensors` (HF names), with no random init."""
     model = nnx.eval_shape(lambda: LlamaForCausalLM(config, nnx.Rngs(0)))
-    names = hf_param_names(model)
-    ignored = {"lm_head.weight"} if config.tie_word_embeddings else set()
-    given = {n for n in tensors if not n.endswith("rotary_emb.inv_freq")} - ignored
-    missing, extra = sorted(set(names) - given), sorted(given - set(names))
-    bad = [f"{n}: tensor {tuple(np.shape(tensors[n]))}, config wants {names[n][1]}"
-           for n in sorted(given & set(names)) if tuple(np.shape(tensors[n])) != names[n][1]]
-    if missing or extra or bad:
-        raise ValueError(f"weights do not fit the config: missing={missing[:5]} "
-                         f"unexpected={extra[:5]} mismatched={bad[:5]}")
-    flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
-    by_path = {path: var for path, var in flat}
-    for name, (path, _, transposed) in names.items():
-        array = np.asarray(tensors[name])
-        by_path[path].set_value(jnp.asarray(array.T if transposed else array, dtype=config.dtype))
-    nnx.update(model, nnx.from_flat_state(flat))
+    load_hf_state_dict(model, tensors)
     return model
 
 
