@@ -1,0 +1,384 @@
+"""Capacity sweeps: one trace under a grid of scheduler limits, all runs in one compiled call.
+
+    rows = sweep(trace, num_device_blocks=range(64, 1025, 64), max_num_seqs=[8, 16, 32, 64],
+                 preemption_mode=["recompute", "swap"])
+
+Every run shares one static `Capacity` (the largest pool sizes of the grid); what differs is
+a per-run `Limits` (`set_limits`), stacked along a leading run axis, so changing limits never
+recompiles. One jitted call steps all runs `CHUNK_STEPS` steps; the host loops over chunks
+only (a tqdm bar counts finished requests), until every run has finished every request:
+
+    host:    chunk 0 ──> chunk 1 ──> ... ──> all runs drained
+    device:  over runs r (jax.vmap, or lax.map) ── lax.scan over steps t ──
+                 add_requests, schedule, update, free_finished
+
+A step is the same composition of public transitions as `simulate`'s, and each run's
+metrics are read from per-step records of that step, so a row equals what `simulate`
+reports for its configuration.
+
+NOTE: under `jax.vmap` the scheduler's `lax.cond` skips turn into selects that compute both
+branches, so every vmapped step costs a worst-case step. On an accelerator the vmap still
+wins; on CPU a `lax.map` over runs inside the same compiled call is faster, and it also
+skips the chunks of runs that have drained. `vmap_runs` picks (default: by backend).
+
+Request slots are a static size too. A sweep starts with a modest number of slots and, if
+some run ever has more requests alive than slots, doubles them and starts over (one more
+compile); results never depend on the slot count, only the speed does.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import math
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxsched.config import SchedulerConfig
+from jaxsched.requests import RequestBatch, add_requests, free_finished, update
+from jaxsched.scheduler import schedule_step
+from jaxsched.state import FINISHED, IGNORED, init_state, set_limits
+from jaxsched.trace import Trace, TraceError, parse_trace
+
+CHUNK_STEPS = 64
+MODES = {"auto": None, "none": None, "recompute": "recompute", "swap": "swap"}
+# Sweepable limits, in grid order (the first varies slowest), and how to read their values.
+SWEEP_FIELDS = ("preemption_mode", "max_num_seqs", "num_device_blocks", "num_host_blocks",
+                "max_num_batched_tokens", "max_model_len", "watermark", "delay_factor")
+FLOAT_FIELDS = ("watermark", "delay_factor")
+STATIC_FIELDS = ("block_size", "enable_chunked_prefill", "artificial_preemption", "seed")
+# Per-step record of one run, int32[NUM_COLS] (a StepTimeModel reads prefill, decode, swaps).
+(C_FINISHED, C_RECOMPUTE, C_SWAP, C_SWAP_OUT, C_SWAP_IN, C_SWAPPED_IN, C_FREE_DEVICE,
+ C_FREE_HOST, C_PREFILL_TOKENS, C_DECODE_SEQS, C_OVERFLOW) = range(11)
+NUM_COLS = 11
+
+
+class SweepError(ValueError):
+    """A bad sweep specification; the message is one line naming the field."""
+
+
+# ----------------------------------------------------------------------------- the grid
+
+def parse_values(field: str, spec) -> list:
+    """A sweep axis: a list, one value, or a spec string "a,b,c" or "start:stop:step" (inclusive)."""
+    if field not in SWEEP_FIELDS:
+        raise SweepError(_not_sweepable(field))
+    if isinstance(spec, str):
+        if field != "preemption_mode" and spec.count(":") == 2:
+            values = _parse_range(field, spec)
+        else:
+            values = [v.strip() for v in spec.split(",")]
+    elif isinstance(spec, (list, tuple, range, np.ndarray)):
+        values = list(spec)
+    else:
+        values = [spec]
+    if not values:
+        raise SweepError(f"sweep: {field}: no values")
+    return [_parse_one(field, v) for v in values]
+
+
+def _not_sweepable(field: str) -> str:
+    if field in STATIC_FIELDS:
+        return (f"sweep: {field} is static (it fixes the compiled shapes or program), not a "
+                f"per-run limit; run one sweep per value")
+    return f"sweep: unknown field {field!r} (sweepable: {', '.join(SWEEP_FIELDS)})"
+
+
+def _static_value(field: str, spec):
+    """One value of a static field (it overrides the trace's config); a list of several is an error."""
+    if isinstance(spec, str):
+        values = spec.split(",")
+    else:
+        values = list(spec) if isinstance(spec, (list, tuple)) else [spec]
+    if len(values) != 1:
+        raise SweepError(_not_sweepable(field))
+    value = values[0]
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if field in ("enable_chunked_prefill", "artificial_preemption"):
+            if text not in ("true", "false", "1", "0"):
+                raise SweepError(f"sweep: {field}: expected true or false, got {value!r}")
+            return text in ("true", "1")
+        if not text.isdigit():
+            raise SweepError(f"sweep: {field}: {value!r} is not an integer")
+        return int(text)
+    return value
+
+
+def _parse_range(field: str, spec: str) -> list:
+    try:
+        start, stop, step = (float(x) if field in FLOAT_FIELDS else int(x) for x in spec.split(":"))
+    except ValueError:
+        raise SweepError(f"sweep: {field}: bad range {spec!r} (expected start:stop:step)") from None
+    if step <= 0:
+        raise SweepError(f"sweep: {field}: step must be > 0 in {spec!r}")
+    if start > stop:
+        raise SweepError(f"sweep: {field}: empty range {spec!r} (start > stop)")
+    count = int(math.floor((stop - start) / step + 1e-9)) + 1
+    return [start + i * step for i in range(count)]
+
+
+def _parse_one(field: str, value):
+    if field == "preemption_mode":
+        key = "none" if value is None else str(value).lower()
+        if key not in MODES:
+            raise SweepError(f"sweep: unknown preemption_mode {value!r} (expected recompute, swap or auto)")
+        return MODES[key]
+    kind = float if field in FLOAT_FIELDS else int
+    try:
+        number = kind(value) if isinstance(value, str) else value
+    except ValueError:
+        what = "a number" if kind is float else "an integer"
+        raise SweepError(f"sweep: {field}: {value!r} is not {what}") from None
+    if kind is int and (isinstance(number, bool) or not isinstance(number, (int, np.integer))):
+        raise SweepError(f"sweep: {field}: {value!r} is not an integer")
+    return kind(number)
+
+
+def make_grid(base: SchedulerConfig, axes: dict) -> tuple[list[dict], list[SchedulerConfig]]:
+    """Every combination of the axes (in SWEEP_FIELDS order), validated as SchedulerConfigs."""
+    names = [f for f in SWEEP_FIELDS if f in axes]
+    points, configs = [], []
+    for combo in itertools.product(*(axes[f] for f in names)):
+        point = dict(zip(names, combo))
+        try:
+            configs.append(dataclasses.replace(base, **point))
+        except ValueError as e:
+            where = ", ".join(f"{k}={v}" for k, v in point.items())
+            raise SweepError(f"sweep: {where}: {e}") from None
+        points.append(point)
+    return points, configs
+
+
+def _pow2(x: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(1, x))))
+
+
+def sweep_capacity(trace: Trace, configs: list[SchedulerConfig], capacity: dict | None = None) -> dict:
+    """Static sizes for a grid (SchedulerConfig capacity fields); explicit ones must hold it.
+
+    Pass the same dict to `simulate(..., capacity=...)` to share its compiled step.
+    """
+    reqs = trace.requests
+    longest = max(r["prompt_len"] + r["max_tokens"] for r in reqs)
+    tokens = max([max(r["prompt_len"] for r in reqs)] + [min(longest, c.max_model_len) + 1 for c in configs])
+    max_n = max(r["n"] for r in reqs)
+    blocks = math.ceil(tokens / trace.scheduler_config.block_size)
+    device, host = max(c.num_device_blocks for c in configs), max(c.num_host_blocks for c in configs)
+    need = {  # field: (smallest value that holds the grid, why not, given the value)
+        "num_device_blocks_capacity": (device, f"num_device_blocks={device} is above the static capacity"),
+        "num_host_blocks_capacity": (host, f"num_host_blocks={host} is above the static capacity"),
+        "max_seqs_per_group": (max_n, f"a request has n={max_n}, above the static capacity"),
+        "max_blocks_per_seq": (blocks, f"sequences of up to {tokens} tokens need {blocks} blocks, "
+                                       f"above the static capacity"),
+        "num_slots": (1, "capacity needs a positive"),
+    }
+    cap = {k: v for k, (v, _) in need.items()}
+    cap["max_seqs_per_group"] = _pow2(max_n)
+    # A guess (more alive requests than slots restarts the sweep with twice as many).
+    cap["num_slots"] = min(_pow2(len(reqs)), max(64, 2 * _pow2(max(c.max_num_seqs for c in configs))))
+    for key, value in (capacity or {}).items():
+        if key not in need:
+            raise SweepError(f"sweep: unknown capacity field {key!r} (expected one of {', '.join(need)})")
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < need[key][0]:
+            raise SweepError(f"sweep: {need[key][1]} {key}={value!r}")
+        cap[key] = int(value)
+    return cap
+
+
+# ----------------------------------------------------------------------------- the device loop
+
+def _batch_at(cols: jax.Array, arrival_time: jax.Array, t: jax.Array, width: int) -> RequestBatch:
+    """The requests arriving at step t: rows of `cols` (sorted by arrival step), padded to width."""
+    n = cols.shape[1]
+    idx = jnp.searchsorted(cols[0], t, side="left") + jnp.arange(width, dtype=jnp.int32)
+    safe = jnp.minimum(idx, n - 1)
+    valid = (idx < n) & (cols[0, safe] == t)
+    take = lambda row: jnp.where(valid, cols[row, safe], 0)
+    return RequestBatch(valid=valid, request_index=take(1), prompt_len=take(2), n=take(3),
+                        max_tokens=take(4), arrival_time=jnp.where(valid, arrival_time[safe], 0.0))
+
+
+def _step(carry, x, cols, arrival_time, cap, width):
+    """One replay step of one run (simulate's sim_step) and its int32[NUM_COLS] record."""
+    state, per_request = carry                # per_request: int32[2, N] finish step, reason
+    t, now = x
+    batch = _batch_at(cols, arrival_time, t, width)
+    state, slots = add_requests(state, batch)
+    overflow = (batch.valid & (slots >= state.status.shape[-1])).any()
+    state, out = schedule_step(state, now, cap=cap)
+    state, _, _ = update(state, out.scheduled, out.num_scheduled_tokens, out.is_prefill)
+    finished = state.status == FINISHED
+    at = jnp.where(finished, state.request_index, cols.shape[1])
+    per_request = per_request.at[0, at].set(t, mode="drop")
+    per_request = per_request.at[1, at].set(state.finish_reason, mode="drop")
+    count = lambda mask: mask.sum(dtype=jnp.int32)
+    record = jnp.stack([
+        count(finished), count(out.preempted == 1), count(out.preempted == 2),
+        out.num_swap_out, out.num_swap_in, count(out.swapped_in),
+        out.num_free_device_blocks, out.num_free_host_blocks,
+        jnp.where(out.is_prefill, out.num_scheduled_tokens, 0).sum(dtype=jnp.int32),
+        jnp.where(out.scheduled & ~out.is_prefill, out.num_seqs, 0).sum(dtype=jnp.int32),
+        overflow]).astype(jnp.int32)
+    state, _ = free_finished(state)
+    return (state, per_request), record
+
+
+@functools.partial(jax.jit, static_argnames=("cap", "width", "vmap_runs"), donate_argnums=(0,))
+def sweep_chunk(carry, cols, arrival_time, start, times, cap, width, vmap_runs):
+    """Steps start.. start+K-1 (K = len(times)) of every run: vmap over runs of a lax.scan.
+
+    `carry` is (state, per_request) with a leading run axis; returns it and the records
+    int32[runs, K, NUM_COLS]. The trace (`cols`, `arrival_time`) and times are shared.
+    `jax.vmap` steps `vmap_runs` runs together; a `lax.map` inside the same call loops
+    over the groups when that is fewer than all runs (1: no vmap at all).
+    """
+    steps = start + jnp.arange(times.shape[0], dtype=jnp.int32)
+
+    def run(c):
+        def chunk(c):
+            return lax.scan(lambda c, x: _step(c, x, cols, arrival_time, cap, width), c, (steps, times))
+        # A drained run skips the chunk (outside vmap): its records are not read past its end.
+        idle = lambda c: (c, jnp.zeros((times.shape[0], NUM_COLS), jnp.int32))
+        return lax.cond((c[1][0] >= 0).all(), idle, chunk, c)
+    # NOTE: under vmap every lax.cond of the scheduler becomes a select that computes both
+    # branches; a plain lax.map keeps the skips (about 4x faster per run-step on 2 CPU cores).
+    if vmap_runs == 1:
+        return lax.map(run, carry)
+    if vmap_runs >= carry[1].shape[0]:
+        return jax.vmap(run)(carry)
+    return lax.map(run, carry, batch_size=vmap_runs)
+
+
+def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: int, progress: bool):
+    """Run every config to the end; (records [runs, T, NUM_COLS], per_request [runs, 2, N]) or
+    None when some run had more requests alive than slots."""
+    from tqdm.auto import tqdm
+
+    cap_config = dataclasses.replace(configs[0], **cap)
+    base = init_state(cap_config)
+    state = jax.tree.map(lambda *xs: jnp.stack(xs), *[set_limits(base, c) for c in configs])
+    reqs, runs = trace.requests, len(configs)
+    steps = np.array([r["arrival_step"] for r in reqs])
+    order = np.argsort(steps, kind="stable")
+    cols = np.array([[r[k] for r in reqs] for k in ("arrival_step", "prompt_len", "n", "max_tokens")])
+    cols = np.stack([cols[0], np.arange(len(reqs)), *cols[1:]])[:, order].astype(np.int32)
+    arrival_time = np.array([s * trace.step_time for s in steps[order]]).astype(np.float32)
+    cols, arrival_time = jax.device_put(cols), jax.device_put(arrival_time)
+    width = _pow2(max(8, np.bincount(steps).max()))
+    carry = (state, jnp.full((runs, 2, len(reqs)), -1, jnp.int32))
+    done, last, chunks, start = np.zeros(runs, np.int64), np.zeros(runs, np.int64), [], 0
+    with tqdm(total=runs * len(reqs), disable=not progress, desc="sweep", unit="req") as bar:
+        while (done < len(reqs)).any():
+            if start >= trace.max_steps:
+                break
+            times = np.arange(start, start + CHUNK_STEPS, dtype=np.float32) * trace.step_time
+            carry, rec = sweep_chunk(carry, cols, arrival_time, jnp.int32(start), times,
+                                     cap=cap_config.capacity(), width=width, vmap_runs=vmap_runs)
+            rec = np.asarray(rec)
+            if rec[:, :, C_OVERFLOW].any():
+                return None
+            chunks.append(rec)
+            new = rec[:, :, C_FINISHED].sum(1)
+            done += new
+            from_end = np.argmax(rec[:, ::-1, C_FINISHED] > 0, axis=1)
+            last = np.where(new > 0, start + CHUNK_STEPS - 1 - from_end, last)
+            bar.update(int(new.sum()))
+            start += CHUNK_STEPS
+    bad = np.nonzero((done < len(reqs)) | (last >= trace.max_steps))[0]
+    if bad.size:
+        _unfinished(trace, configs, bad)
+    return np.concatenate(chunks, axis=1), np.asarray(carry[1])
+
+
+def _unfinished(trace, configs, bad):
+    """Raise (as `simulate` does) for the runs `bad` that did not drain within max_steps."""
+    c = configs[bad[0]]
+    raise RuntimeError(f"sweep: {len(bad)} of {len(configs)} runs unfinished after max_steps="
+                       f"{trace.max_steps} (e.g. num_device_blocks={c.num_device_blocks}, "
+                       f"max_num_seqs={c.max_num_seqs}, preemption_mode={c.preemption_mode})")
+
+
+# ----------------------------------------------------------------------------- the front end
+
+def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
+          vmap_runs: int | None = None, progress: bool = True, **axes) -> list[dict]:
+    """Replay `trace` under every combination of the given limit lists; one row per run.
+
+    Axes are any of SWEEP_FIELDS (preemption_mode, max_num_seqs, num_device_blocks,
+    num_host_blocks, max_num_batched_tokens, max_model_len, watermark, delay_factor), each a
+    list, one value or a spec string ("8,16,32" or "64:1024:64", inclusive). Fields not swept
+    come from the trace's config; a static field (block_size, enable_chunked_prefill) may be
+    given one value, never a list. `capacity` fixes static sizes (see `sweep_capacity`).
+    With a `workload.StepTimeModel` (any f(prefill_tokens, decode_seqs, swapped_blocks) ->
+    seconds per step), rows also give seconds: the summed per-step costs. `vmap_runs`
+    is how many runs one jax.vmap steps together (default: all on an accelerator, 1 on CPU,
+    where looping over runs inside the compiled call is faster; see `sweep_chunk`).
+
+    Row fields: the swept values; steps (to drain, as `simulate`); preempted_recompute,
+    preempted_swap, num_preemptions; swapped_in (groups), blocks_swapped_out,
+    blocks_swapped_in; ignored; latency_mean, latency_p99 (steps from arrival to the
+    finishing step, over requests not ignored); peak_device_blocks_used,
+    peak_host_blocks_used; with a model, seconds, latency_mean_s, latency_p99_s.
+    """
+    if not isinstance(trace, dict) or "config" not in trace:
+        raise SweepError("sweep: the trace must be a dict with 'config' and 'requests'")
+    try:
+        parsed = parse_trace(trace)
+    except TraceError as e:
+        raise SweepError(f"sweep: {e}") from None
+    if not parsed.requests:
+        raise SweepError("sweep: the trace has no requests")
+    static = {f: _static_value(f, axes.pop(f)) for f in list(axes) if f in STATIC_FIELDS}
+    values = {f: parse_values(f, v) for f, v in axes.items()}
+    points, configs = make_grid(dataclasses.replace(parsed.scheduler_config, **static), values)
+    cap = sweep_capacity(parsed, configs, capacity)
+    if vmap_runs is None:
+        vmap_runs = len(configs) if jax.default_backend() != "cpu" else 1
+    if isinstance(vmap_runs, bool) or not isinstance(vmap_runs, int) or vmap_runs < 1:
+        raise SweepError(f"sweep: vmap_runs must be a positive integer, got {vmap_runs!r}")
+    vmap_runs = min(vmap_runs, len(configs))
+    while (out := _replay(parsed, configs, cap, vmap_runs, progress)) is None:
+        if capacity and "num_slots" in capacity:
+            raise SweepError(f"sweep: some run has more than num_slots={cap['num_slots']} requests "
+                             f"alive at once; raise the capacity's num_slots")
+        cap["num_slots"] *= 2
+        if progress:
+            print(f"sweep: more requests alive than {cap['num_slots'] // 2} slots; restarting with "
+                  f"{cap['num_slots']} (one more compile; capacity num_slots skips this)", file=sys.stderr)
+    records, per_request = out
+    arrival = np.array([r["arrival_step"] for r in parsed.requests])
+    return [_row(p, c, records[i], per_request[i], arrival, step_time_model)
+            for i, (p, c) in enumerate(zip(points, configs))]
+
+
+def _row(point, config, rec, per_request, arrival, model) -> dict:
+    last = int(np.nonzero(rec[:, C_FINISHED])[0].max())
+    rec = rec[:last + 1]
+    finish, reason = per_request
+    served = reason != IGNORED
+    latency = (finish - arrival)[served]
+    total = lambda col: int(rec[:, col].sum())
+    row = {k: ("auto" if k == "preemption_mode" and v is None else v) for k, v in point.items()}
+    row.update(steps=last + 1, preempted_recompute=total(C_RECOMPUTE), preempted_swap=total(C_SWAP),
+               num_preemptions=total(C_RECOMPUTE) + total(C_SWAP), swapped_in=total(C_SWAPPED_IN),
+               blocks_swapped_out=total(C_SWAP_OUT), blocks_swapped_in=total(C_SWAP_IN),
+               ignored=int((~served).sum()), **_stats(latency, ""),
+               peak_device_blocks_used=int(config.num_device_blocks - rec[:, C_FREE_DEVICE].min()),
+               peak_host_blocks_used=int(config.num_host_blocks - rec[:, C_FREE_HOST].min()))
+    if model is not None:
+        cost = model(rec[:, C_PREFILL_TOKENS], rec[:, C_DECODE_SEQS], rec[:, C_SWAP_OUT] + rec[:, C_SWAP_IN])
+        clock = np.concatenate([[0.0], np.cumsum(cost)])    # clock[t]: when step t starts
+        row.update(seconds=float(clock[-1]), **_stats((clock[finish] - clock[arrival])[served], "_s"))
+    return row
+
+
+def _stats(latency: np.ndarray, suffix: str) -> dict:
+    if latency.size == 0:
+        return {f"latency_mean{suffix}": None, f"latency_p99{suffix}": None}
+    return {f"latency_mean{suffix}": float(latency.mean()),
+            f"latency_p99{suffix}": float(np.percentile(latency, 99))}

@@ -1,0 +1,176 @@
+"""Capacity sweeps: every run equals `simulate` of its configuration, one compile per shape.
+
+One small trace, grid and static capacity serve the whole file, so the vmapped sweep, the
+loop-over-runs sweep and `simulate` each compile once.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+
+import numpy as np
+import pytest
+
+from jaxsched import simulate, summarize
+from jaxsched.cli_sweep import register
+from jaxsched.sweep import SweepError, sweep, sweep_chunk
+from jaxsched.workload import LogNormal, StepTimeModel, generate_trace
+
+TRACE = generate_trace(24, rate=0.5, prompt=LogNormal(4.0, 0.6), output=LogNormal(3.0, 0.6),
+                       seed=1, config=dict(num_device_blocks=32, num_host_blocks=16, max_num_seqs=8,
+                                           max_num_batched_tokens=128, max_model_len=128))
+GRID = dict(num_device_blocks=[8, 12, 20, 32], max_num_seqs=[4, 8], preemption_mode=["recompute", "swap"])
+CAPACITY = dict(num_slots=32, max_seqs_per_group=4, max_blocks_per_seq=9,
+                num_device_blocks_capacity=32, num_host_blocks_capacity=16)
+METRICS = ("steps", "preempted_recompute", "preempted_swap", "num_preemptions", "swapped_in",
+           "blocks_swapped_out", "blocks_swapped_in", "ignored", "latency_mean", "latency_p99",
+           "peak_device_blocks_used", "peak_host_blocks_used")
+
+
+def run_cli(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="jaxsched")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+@pytest.fixture(scope="module")
+def vmapped():
+    """The grid in one vmapped call, and how many compiles it took."""
+    before = sweep_chunk._cache_size()
+    rows = sweep(TRACE, **GRID, capacity=CAPACITY, vmap_runs=16, progress=False)
+    return rows, sweep_chunk._cache_size() - before
+
+
+def expected_row(row: dict) -> dict:
+    """What `simulate` says about the row's configuration, in the sweep's terms."""
+    config = dict(TRACE["config"], **{k: row[k] for k in GRID})
+    result = simulate(config, TRACE["requests"], capacity=CAPACITY)
+    summary = summarize(result, config)
+    arrival = {r["id"]: r["arrival_step"] for r in TRACE["requests"]}
+    latency = [v["finish_step"] - arrival[k] for k, v in result["requests"].items()
+               if v["status"] != "finished_ignored"]
+    used = [config["num_host_blocks"] - s["num_free_host_blocks"] for s in result["steps"]]
+    delta = np.diff([0] + used)
+    return dict(steps=summary["steps"], preempted_recompute=summary["preempted_recompute"],
+                preempted_swap=summary["preempted_swap"], num_preemptions=result["num_preemptions"],
+                swapped_in=summary["swapped_in"], ignored=summary["ignored"],
+                latency_mean=float(np.mean(latency)), latency_p99=float(np.percentile(latency, 99)),
+                peak_device_blocks_used=summary["peak_device_blocks_used"],
+                peak_host_blocks_used=summary["peak_host_blocks_used"],
+                # A step that swaps out swaps nothing in: host growth is the blocks swapped out.
+                blocks_swapped_out=int(delta[delta > 0].sum()),
+                host_blocks_returned=int(-delta[delta < 0].sum()))
+
+
+def test_sweep__every_run_equals_simulate_of_its_configuration(vmapped):
+    rows, _ = vmapped
+    assert len(rows) == 16
+    assert sum(r["preempted_recompute"] for r in rows) > 0 and sum(r["preempted_swap"] for r in rows) > 0
+    assert sum(r["ignored"] for r in rows) > 0
+    for row in rows:
+        want = expected_row(row)
+        returned = want.pop("host_blocks_returned")
+        assert {k: row[k] for k in want} == want, row
+        # Swapped-out blocks come back by swap-in, or are freed when a swapped group is ignored.
+        assert row["blocks_swapped_in"] <= returned == row["blocks_swapped_out"]
+
+
+def test_sweep__compiles_once_per_shape(vmapped):
+    _, compiles = vmapped
+    assert compiles == 1                         # many chunks of steps, one compile
+    before = sweep_chunk._cache_size()
+    other = sweep(TRACE, num_device_blocks=[10, 14, 24, 30], max_num_seqs=[5, 7],
+                  preemption_mode=["auto", "swap"], capacity=CAPACITY, vmap_runs=16, progress=False)
+    assert sweep_chunk._cache_size() == before   # other limits, same shapes: no recompile
+    assert [r["num_device_blocks"] for r in other[:4]] == [10, 14, 24, 30]
+
+
+def test_sweep__runs_not_drained_within_max_steps_raise_like_simulate(vmapped):
+    trace = dict(TRACE, config=dict(TRACE["config"], max_steps=150))
+    with pytest.raises(RuntimeError, match=r"sweep: 14 of 16 runs unfinished after max_steps=150"):
+        sweep(trace, **GRID, capacity=CAPACITY, vmap_runs=16, progress=False)
+    drained = [r for r in vmapped[0] if r["steps"] <= 150]
+    assert len(drained) == 2                     # simulate finishes exactly these two in time
+    config = dict(trace["config"], **{k: drained[0][k] for k in GRID})
+    assert len(simulate(config, TRACE["requests"], capacity=CAPACITY)["steps"]) == drained[0]["steps"]
+
+
+def test_sweep__loop_over_runs_equals_vmap_and_unit_step_cost_counts_steps(vmapped):
+    rows, _ = vmapped
+    looped = sweep(TRACE, **GRID, capacity=CAPACITY, vmap_runs=1, progress=False,
+                   step_time_model=StepTimeModel(base=1.0))
+    for a, b in zip(rows, looped):
+        assert {k: a[k] for k in (*GRID, *METRICS)} == {k: b[k] for k in (*GRID, *METRICS)}
+        assert b["seconds"] == b["steps"]
+        assert b["latency_mean_s"] == pytest.approx(b["latency_mean"])
+        assert b["latency_p99_s"] == pytest.approx(b["latency_p99"])
+
+
+def test_cli_sweep__prints_a_table_and_writes_csv_json_and_plots(tmp_path, capsys):
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(TRACE))
+    capacity = ",".join(f"{k}={v}" for k, v in CAPACITY.items())
+    rc = run_cli(["sweep", str(path), "--num-device-blocks", "8,12,20,32", "--max-num-seqs", "4:8:4",
+                  "--preemption-mode", "recompute,swap", "--capacity", capacity,
+                  "--step-cost", "0.5,0,0,0", "--no-progress", "-o", str(tmp_path / "out")])
+    out = capsys.readouterr().out
+    assert rc == 0 and "| preemption_mode | max_num_seqs | num_device_blocks | steps |" in out
+    rows = list(csv.DictReader(open(tmp_path / "out" / "sweep.csv")))
+    assert len(rows) == 16 and float(rows[0]["seconds"]) == 0.5 * int(rows[0]["steps"])
+    assert len(json.loads((tmp_path / "out" / "sweep.json").read_text())) == 16
+    for name in ("sweep_latency.png", "sweep_preemptions.png"):
+        assert (tmp_path / "out" / name).stat().st_size > 10_000
+
+
+def test_sweep__more_requests_alive_than_slots_doubles_them_or_says_so(monkeypatch):
+    import jaxsched.sweep as sweep_module
+
+    calls = []
+
+    def replay(trace, configs, cap, vmap_runs, progress):
+        calls.append(cap["num_slots"])        # overflow until 64 slots
+        if cap["num_slots"] < 64:
+            return None
+        return np.zeros((len(configs), 1, sweep_module.NUM_COLS), np.int32) + 1, \
+            np.zeros((len(configs), 2, len(trace.requests)), np.int32)
+    monkeypatch.setattr(sweep_module, "_replay", replay)
+    sweep(TRACE, max_num_seqs=[4], progress=False)
+    assert calls == [32, 64]                  # min(pow2(24 requests), ...), then doubled
+    with pytest.raises(SweepError, match="more than num_slots=16 requests alive at once"):
+        sweep(TRACE, capacity=dict(num_slots=16), progress=False)
+
+
+@pytest.mark.parametrize("axes, message", [
+    (dict(num_device_blocks="64:8:8"), "empty range"),
+    (dict(num_device_blocks="8:64:0"), "step must be > 0"),
+    (dict(num_device_blocks="8:x:8"), "bad range"),
+    (dict(num_device_blocks=[8, 64], capacity=dict(num_device_blocks_capacity=32)),
+     "num_device_blocks=64 is above the static capacity num_device_blocks_capacity=32"),
+    (dict(capacity=dict(max_blocks_per_seq=4)),
+     "need 9 blocks, above the static capacity max_blocks_per_seq=4"),
+    (dict(capacity=dict(num_slots=0)), "capacity needs a positive num_slots=0"),
+    (dict(preemption_mode=["recompute", "lru"]), "unknown preemption_mode 'lru'"),
+    (dict(block_size=[16, 32]), "block_size is static"),
+    (dict(block_size="16,32"), "block_size is static"),
+    (dict(enable_chunked_prefill="maybe"), "expected true or false"),
+    (dict(enable_chunked_prefill=[True, False]), "enable_chunked_prefill is static"),
+    (dict(max_num_seqs=[4, 256]), "max_num_seqs=256: SchedulerConfig.max_num_batched_tokens"),
+    (dict(max_num_seqs=[]), "no values"),
+    (dict(max_num_seqs=[4.5]), "not an integer"),
+    (dict(num_slots=[16]), "unknown field 'num_slots'"),
+    (dict(capacity=dict(num_pages=8)), "unknown capacity field 'num_pages'"),
+])
+def test_sweep__bad_specs_get_one_clear_error_line(axes, message):
+    with pytest.raises(SweepError, match=message) as info:
+        sweep(TRACE, progress=False, **axes)
+    assert "\n" not in str(info.value)
+
+
+def test_cli_sweep__bad_spec_is_one_error_line(tmp_path, capsys):
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(TRACE))
+    assert run_cli(["sweep", str(path), "--num-device-blocks", "1024:64:64"]) == 2
+    err = capsys.readouterr().err
+    assert err == "jaxsched sweep: num_device_blocks: empty range '1024:64:64' (start > stop)\n"
