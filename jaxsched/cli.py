@@ -122,6 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("trace", nargs="?", help=f"trace JSON (default: the bundled {DEFAULT_TRACE})")
     sim.add_argument("-o", "--output", help="write the step-by-step decisions as JSON here")
     sim.set_defaults(func=cmd_simulate)
+    from jaxsched.cli_sweep import register
+    register(sub)                                    # `trace generate` and `sweep`
 
     gen = sub.add_parser("generate", help="generate with a model on the paged engine "
                          "(default: SmolLM2-135M-Instruct, built-in prompts, a small KV cache)")
