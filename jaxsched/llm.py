@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import time
 from typing import Iterable, Iterator, Optional, Sequence, Union
 
@@ -21,7 +22,7 @@ from flax import nnx
 
 from jaxsched.config import SchedulerConfig
 from jaxsched.engine import (EngineSpec, NewRequests, SamplingRows, init_engine, step,
-                             token_buckets)
+                             step_impl, token_buckets)
 from jaxsched.kv_cache import init_kv_cache
 from jaxsched.params import MAX_STOP_TOKEN_IDS, CompletionOutput, RequestOutput, SamplingParams
 from jaxsched.requests import RequestBatch, abort as abort_slots
@@ -113,6 +114,17 @@ class LLM:
                                max_prompt_len=self.config.max_model_len, attention_impl=attention_impl)
         eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         self.state = place(init_engine(self.config, kv, eos))
+        self._step = functools.partial(step, spec=self.spec)
+        if tp > 1 or devices:
+            # Over a mesh the step is jitted with explicit shardings: the state keeps its
+            # placement (cache by kv head, the rest replicated), requests come in replicated.
+            from jax.sharding import NamedSharding, PartitionSpec
+            replicated = NamedSharding(self.state.kv.k.sharding.mesh, PartitionSpec())
+            state_sh = jax.tree.map(lambda x: x.sharding, self.state)
+            params_sh = jax.tree.map(lambda x: x.sharding, self.params)
+            self._step = jax.jit(functools.partial(step_impl, spec=self.spec), donate_argnums=(0,),
+                                 in_shardings=(state_sh, params_sh, replicated, replicated),
+                                 out_shardings=(state_sh, replicated))
         self._seed = seed
         self._rows = max_requests_per_step
         self._requests: dict[int, _Request] = {}
@@ -251,8 +263,7 @@ class LLM:
             return [o for r in self._replicas if r.has_unfinished() for o in r.step()]
         new, _ = self._new_requests()
         start = time.perf_counter()
-        self.state, out = step(self.state, self.params, new, jnp.float32(time.monotonic() - self._t0),
-                               spec=self.spec)
+        self.state, out = self._step(self.state, self.params, new, jnp.float32(time.monotonic() - self._t0))
         out = jax.device_get(out)
         elapsed = time.perf_counter() - start
         if self._stats["steps"] == 0:

@@ -1,6 +1,8 @@
 """The engine end to end on a tiny random-weight model: preemption is invisible (SPEC B2/B4)."""
 from __future__ import annotations
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -108,14 +110,11 @@ def test_engine__greedy_equals_plain_dense_generation(model):
 def test_engine__no_retrace_over_a_long_mixed_run(model):
     llm = make_llm(model, num_device_blocks=24)
     guarded = jax.jit(chex.assert_max_traces(step_impl, n=1), static_argnames=("spec",), donate_argnums=(0,))
-    import jaxsched.llm as llm_module
-    original = llm_module.step
-    llm_module.step = guarded
+    llm._step = functools.partial(guarded, spec=llm.spec)
     try:
         run(llm, make_prompts(12, seed=3), [SamplingParams(max_tokens=15, temperature=0.0)] * 12, check=False)
         assert llm.stats()["steps"] > 30
     finally:
-        llm_module.step = original
         chex.clear_trace_counter()
 
 
