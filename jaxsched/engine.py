@@ -129,6 +129,15 @@ class EngineSpec:
     max_prompt_len: int
     attention_impl: str = "chunked"
 
+    def __post_init__(self):
+        # jit hashes its static arguments on every call; the graphdef makes that slow.
+        object.__setattr__(self, "_hash", hash((self.cap, self.forward, self.graphdef, self.token_buckets,
+                                                self.num_sample_rows, self.max_prompt_len,
+                                                self.attention_impl)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
 
 def token_buckets(max_num_batched_tokens: int, smallest: int = 16) -> tuple[int, ...]:
     out, b = [], smallest

@@ -142,9 +142,13 @@ def copy_blocks(cache: KVCache, pairs: jax.Array, count: jax.Array) -> KVCache:
     """
     valid = jnp.arange(pairs.shape[0]) < count
     src, dst = pairs[:, 0], jnp.where(valid, pairs[:, 1], PAD_ID)
-    # Out-of-range sources only occur in padding rows, whose writes are dropped: clip is safe.
-    k = cache.k.at[dst].set(jnp.take(cache.k, src, axis=0, mode="clip"), mode="drop")
-    v = cache.v.at[dst].set(jnp.take(cache.v, src, axis=0, mode="clip"), mode="drop")
+
+    def copy(pools):
+        # Out-of-range sources only occur in padding rows, whose writes are dropped: clip is safe.
+        return tuple(p.at[dst].set(jnp.take(p, src, axis=0, mode="clip"), mode="drop") for p in pools)
+
+    # Most steps copy nothing: skip gathering the padded pair list then.
+    k, v = jax.lax.cond(count > 0, copy, lambda pools: pools, (cache.k, cache.v))
     return cache.replace(k=k, v=v)
 
 
