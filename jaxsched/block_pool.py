@@ -14,16 +14,68 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 
-def exclusive_cumsum(x: jax.Array, axis: int = -1) -> jax.Array:
+def _triangle(n: int, dtype, strict: bool = False) -> jax.Array:
+    """[n, n] with ones where row <= col (row < col if strict): x @ it is a prefix sum."""
+    rows, cols = jnp.arange(n)[:, None], jnp.arange(n)[None, :]
+    return ((rows < cols) if strict else (rows <= cols)).astype(dtype)
+
+
+def _dot_cumsum(x: jax.Array, dtype) -> jax.Array:
+    """Inclusive prefix sum over the last axis as (at most) two levels of triangular matmuls."""
+    n = x.shape[-1]
+    dot = lambda a, b: jnp.matmul(a, b, preferred_element_type=dtype)
+    if n <= 64:
+        return dot(x.astype(dtype), _triangle(n, dtype))
+    block = 32 if n <= 2048 else 64
+    pad = -n % block
+    y = jnp.pad(x.astype(dtype), [(0, 0)] * (x.ndim - 1) + [(0, pad)])
+    y = dot(y.reshape(*x.shape[:-1], -1, block), _triangle(block, dtype))
+    totals = y[..., -1]
+    before = _dot_cumsum(totals, dtype) - totals
+    return (y + before[..., None]).reshape(*x.shape[:-1], -1)[..., :n]
+
+
+def cumsum(x: jax.Array, axis: int = -1, bound: int | None = None) -> jax.Array:
+    """Inclusive int32 prefix sum (exact; wraps like int32 addition).
+
+    `bound`, a static upper bound on every |prefix sum|, lets sums below 2**24 run as float32
+    matmuls (exact there, and about twice as fast as integer ones on CPU).
+
+    NOTE: `jnp.cumsum` lowers to a `reduce_window` that is slow on XLA:CPU (10x at 8192
+    elements, worse for several rows), and `lax.associative_scan` emits dozens of tiny
+    fusions that double compile time. Blocked triangular matmuls are as fast as the scan and
+    compile to a handful of ops.
+    """
+    exact_f32 = bound is not None and bound < 2**24
+    x = jnp.moveaxis(x.astype(jnp.int32), axis, -1)
+    out = _dot_cumsum(x, jnp.float32 if exact_f32 else jnp.int32).astype(jnp.int32)
+    return jnp.moveaxis(out, -1, axis)
+
+
+def mask_rank(mask: jax.Array) -> jax.Array:
+    """int32, same shape: number of True entries before each one in flat (row-major) order."""
+    flat = mask.reshape(-1).astype(jnp.int32)
+    return (cumsum(flat, bound=flat.size) - flat).reshape(mask.shape)
+
+
+def exclusive_cumsum(x: jax.Array, axis: int = -1, bound: int | None = None) -> jax.Array:
     x = x.astype(jnp.int32)
-    return jnp.cumsum(x, axis=axis) - x
+    return cumsum(x, axis=axis, bound=bound) - x
+
+
+def cummin(x: jax.Array, axis: int = -1) -> jax.Array:
+    """Inclusive prefix minimum."""
+    return lax.cummin(x, axis=axis % x.ndim)
 
 
 def first_true(mask: jax.Array, default: jax.Array | int) -> jax.Array:
     """Index of the first True in a 1-D mask, or `default` when there is none."""
-    return jnp.where(mask.any(), jnp.argmax(mask), default).astype(jnp.int32)
+    size = mask.shape[0]
+    first = jnp.min(jnp.where(mask, jnp.arange(size, dtype=jnp.int32), size))
+    return jnp.where(first < size, first, default).astype(jnp.int32)
 
 
 def free_mask(ref_count: jax.Array, num_active: jax.Array) -> jax.Array:
@@ -40,7 +92,7 @@ def free_list(ref_count: jax.Array, num_active: jax.Array) -> jax.Array:
     """int32[num_blocks]: free block ids, lowest first, padded with the out-of-range id."""
     size = ref_count.shape[0]
     free = free_mask(ref_count, num_active)
-    rank = exclusive_cumsum(free)
+    rank = mask_rank(free)
     ids = jnp.arange(size, dtype=jnp.int32)
     return jnp.full((size,), size, jnp.int32).at[jnp.where(free, rank, size)].set(ids, mode="drop")
 
@@ -82,13 +134,13 @@ def add_refs(ref_count: jax.Array, table: jax.Array, mask: jax.Array, delta: int
     return ref_count.at[idx.reshape(-1)].add(delta, mode="drop")
 
 
-def compact_pairs(src: jax.Array, dst: jax.Array, mask: jax.Array, size: int,
-                  pad: tuple[int, int]) -> tuple[jax.Array, jax.Array]:
-    """Pack masked (src, dst) pairs, in flat order, into int32[size, 2] padded with `pad`."""
+def write_pairs(pairs: jax.Array, row: int, src: jax.Array, dst: jax.Array,
+                mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Pack masked (src, dst) pairs, in flat order, into the padded list pairs[row].
+
+    `pairs` is int32[R, P, 2], already padded; returns it and the number of pairs written.
+    """
     mask = mask.reshape(-1)
-    rank = exclusive_cumsum(mask)
-    where_to = jnp.where(mask, rank, size)
-    pairs = jnp.broadcast_to(jnp.asarray(pad, jnp.int32), (size, 2))
-    pairs = pairs.at[where_to, 0].set(src.reshape(-1), mode="drop")
-    pairs = pairs.at[where_to, 1].set(dst.reshape(-1), mode="drop")
-    return pairs, mask.sum(dtype=jnp.int32)
+    where_to = jnp.where(mask, mask_rank(mask), pairs.shape[1])
+    update = jnp.stack([src.reshape(-1), dst.reshape(-1)], axis=-1)
+    return pairs.at[row, where_to].set(update, mode="drop"), mask.sum(dtype=jnp.int32)

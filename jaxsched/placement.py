@@ -8,6 +8,10 @@ that sequence's new block, so sharing survives swap-in and re-admission.
     block table of a re-admitted forked group (prompt of 2 full blocks + a partial one):
       seq 0 (leader): [ a  b | c0 d0 ]      a, b: the prompt's full blocks, ref count n
       seq 1:          [ a  b | c1 d1 ]      c, d: each sequence's own tokens on top
+
+Most steady-state steps allocate nothing, so `place` is called under a `lax.cond` and the
+fresh-table work (admission, swap-in) under another one: a decode step that needs no new
+block pays for neither.
 """
 from __future__ import annotations
 
@@ -15,77 +19,141 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
-from jaxsched.block_pool import add_refs, compact_pairs, exclusive_cumsum, free_list, take_ranked
+from jaxsched.block_pool import add_refs, free_list, mask_rank, take_ranked, write_pairs
 from jaxsched.config import Capacity
-from jaxsched.state import RUNNING, SchedulerState
+
+# Rows of the step's block-pair lists, int32[3, P, 2] (see SchedulerOutput).
+SWAP_OUT, SWAP_IN, COPY = 0, 1, 2
 
 
-class Moves(NamedTuple):
-    swap_in_pairs: jax.Array   # int32[P, 2] (host block, device block), padded
-    num_swap_in: jax.Array
-    copy_pairs: jax.Array      # int32[P, 2] (src, dst) device blocks, padded
-    num_copy: jax.Array
+def pair_rows(cap: Capacity) -> int:
+    """Rows P of each block-pair list: the most pairs one step can produce.
+
+    A swap moves each block to a block of its own on the other side, so a step swaps at
+    most min(device, host) blocks each way; a copy-on-write is at most one per sequence.
+    (Capacity.max_pairs, the pool plus the sequences, is a looser bound; the lists are
+    padded outputs of every step, so the tighter one saves writing them.)
+    """
+    swaps = min(cap.num_device_blocks, cap.num_host_blocks)
+    return max(swaps, cap.num_slots * cap.max_seqs_per_group, 1)
 
 
-def _admitted_entries(state: SchedulerState, d, admitted, width, block_size):
+def no_pairs(cap: Capacity) -> jax.Array:
+    """Empty pair lists int32[3, P, 2], each padded with (src pool size, dst pool size)."""
+    device_size, host_size = cap.num_device_blocks + 1, cap.num_host_blocks + 1
+    pad = jnp.asarray([[device_size, host_size], [host_size, device_size],
+                       [device_size, device_size]], jnp.int32)
+    return jnp.broadcast_to(pad[:, None, :], (3, pair_rows(cap), 2))
+
+
+class Blocks(NamedTuple):
+    """The block bookkeeping a step may change (slot space)."""
+    block_table: jax.Array     # int32[G, S, M]
+    num_blocks: jax.Array      # int32[G, S]
+    device_ref: jax.Array      # int32[D]
+    host_ref: jax.Array        # int32[H]
+
+
+def _admitted_entries(seq_alive, num_tokens, d, admitted, width, block_size):
     """(valid, holder) of the new tables of admitted groups; prompt blocks shared (SPEC B1)."""
-    s = state.seq_alive.shape[1]
+    s = seq_alive.shape[1]
     seq = jnp.arange(s, dtype=jnp.int32)[None, :, None]
     pos = jnp.arange(width)[None, None, :]
-    num_blocks = jnp.where(state.seq_alive, (state.num_tokens + block_size - 1) // block_size, 0)
+    num_blocks = jnp.where(seq_alive, (num_tokens + block_size - 1) // block_size, 0)
     is_leader = seq[..., 0] == d["leader"][:, None]
     shared = jnp.where((d["n_live"] > 1)[:, None] & ~is_leader, d["prompt_blocks"][:, None], 0)
     holder = jnp.where(pos < shared[..., None], d["leader"][:, None, None].astype(jnp.int32), seq)
-    valid = admitted[:, None, None] & state.seq_alive[..., None] & (pos < num_blocks[..., None])
+    valid = admitted[:, None, None] & seq_alive[..., None] & (pos < num_blocks[..., None])
     return valid, holder, num_blocks
 
 
-def place(state: SchedulerState, cap: Capacity, d: dict, admitted, swapped_in, run_served,
-          swap_ignored) -> tuple[SchedulerState, Moves]:
-    g, s, width = state.block_table.shape
-    lim = state.limits
-    pool_size, host_size = state.device_ref.shape[0], state.host_ref.shape[0]
-    adm_valid, adm_holder, adm_blocks = _admitted_entries(state, d, admitted, width, cap.block_size)
+def _fresh_tables(blk: Blocks, pairs, host_table, seq_alive, num_tokens, d, share, blocks,
+                  first_rank, admitted, swapped_in, swap_ignored, block_size):
+    """New tables of admitted and swapped-in groups; swapped groups leave the host pool."""
+    g, s, width = blk.block_table.shape
+    valid, holder, is_first = share
+    adm_valid, adm_holder, adm_blocks = _admitted_entries(seq_alive, num_tokens, d, admitted,
+                                                          width, block_size)
     seq = jnp.arange(s, dtype=jnp.int32)[None, :, None]
-    swap_valid = d["valid"] & swapped_in[:, None, None]
-    fresh = (adm_valid & (adm_holder == seq)) | (swap_valid & d["is_first"])
+    swap_valid = valid & swapped_in[:, None, None]
+    swap_fresh = swap_valid & is_first
+    fresh = (adm_valid & (adm_holder == seq)) | swap_fresh
     new_valid = adm_valid | swap_valid
-    holder = jnp.where(admitted[:, None, None], adm_holder, d["holder"])
-
-    decoding = ((run_served | swapped_in) & ~d["in_prefill"])[:, None]
-    app_new, app_cow = d["need_new"] & decoding, d["cow"] & decoding
-    app = app_new | app_cow
-
-    blocks = free_list(state.device_ref, lim.num_device_blocks)
-    app_rank = exclusive_cumsum(app.reshape(-1)).reshape(g, s)
-    app_id = take_ranked(blocks, app_rank, app)
-    fresh_rank = app.sum(dtype=jnp.int32) + exclusive_cumsum(fresh.reshape(-1)).reshape(fresh.shape)
+    holder = jnp.where(admitted[:, None, None], adm_holder, holder)
+    fresh_rank = first_rank + mask_rank(fresh)
     fresh_id = take_ranked(blocks, fresh_rank, fresh)
 
-    changed = (admitted | swapped_in)[:, None, None]
     mapped = jnp.where(new_valid, jnp.take_along_axis(fresh_id, holder, axis=1), 0)
-    table = jnp.where(changed, mapped, state.block_table)
-    num_blocks = jnp.where(admitted[:, None], adm_blocks, state.num_blocks)
-    device_ref = add_refs(state.device_ref, mapped, new_valid, 1)
+    table = jnp.where((admitted | swapped_in)[:, None, None], mapped, blk.block_table)
+    num_blocks = jnp.where(admitted[:, None], adm_blocks, blk.num_blocks)
+    device_ref = add_refs(blk.device_ref, mapped, new_valid, 1)
+    leaving_host = valid & (swapped_in | swap_ignored)[:, None, None]
+    host_ref = add_refs(blk.host_ref, host_table, leaving_host, -1)
+    pairs, count = write_pairs(pairs, SWAP_IN, host_table, fresh_id, swap_fresh)
+    return Blocks(table, num_blocks, device_ref, host_ref), pairs, count
 
+
+def _appends(d: dict, decoding):
+    """(new block, copy-on-write, either) per sequence of the decoding groups."""
+    decoding = decoding[:, None]
+    app_new, app_cow = d["need_new"] & decoding, d["cow"] & decoding
+    return app_new, app_cow, app_new | app_cow
+
+
+def _apply_appends(blk: Blocks, pairs, app_new, app_cow, app_id):
+    """Put each appended block in its table slot: after the last entry for a new block, over
+    the shared last entry for copy-on-write (whose source loses a reference)."""
+    g, s, width = blk.block_table.shape
+    pool_size = blk.device_ref.shape[0]
+    app = app_new | app_cow
+    table, num_blocks = blk.block_table, blk.num_blocks
     last = jnp.maximum(num_blocks - 1, 0)
     cow_src = jnp.take_along_axis(table, last[..., None], axis=2)[..., 0]
     put_at = jnp.where(app_new, num_blocks, last)
     slot = (jnp.arange(width)[None, None, :] == put_at[..., None]) & app[..., None]
     table = jnp.where(slot, app_id[..., None], table)
     num_blocks = num_blocks + app_new.astype(jnp.int32)
-    device_ref = device_ref.at[jnp.where(app, app_id, pool_size).reshape(-1)].add(1, mode="drop")
-    device_ref = device_ref.at[jnp.where(app_cow, cow_src, pool_size).reshape(-1)].add(-1, mode="drop")
+    # One scatter: +1 for every handed-out block, -1 for every copied-from shared block.
+    idx = jnp.concatenate([jnp.where(app, app_id, pool_size).reshape(-1),
+                           jnp.where(app_cow, cow_src, pool_size).reshape(-1)])
+    delta = jnp.concatenate([jnp.ones((g * s,), jnp.int32), jnp.full((g * s,), -1, jnp.int32)])
+    device_ref = blk.device_ref.at[idx].add(delta, mode="drop")
+    if s == 1:       # one sequence per group never shares a block
+        num_copy = jnp.int32(0)
+    else:
+        pairs, num_copy = lax.cond(app_cow.any(),
+                                   lambda pairs: write_pairs(pairs, COPY, cow_src, app_id, app_cow),
+                                   lambda pairs: (pairs, jnp.int32(0)), pairs)
+    return Blocks(table, num_blocks, device_ref, blk.host_ref), pairs, num_copy
 
-    leaving_host = d["valid"] & (swapped_in | swap_ignored)[:, None, None]
-    host_ref = add_refs(state.host_ref, state.host_table, leaving_host, -1)
-    swap_in_pairs, num_swap_in = compact_pairs(state.host_table, fresh_id, swap_valid & d["is_first"],
-                                               cap.max_pairs, (host_size, pool_size))
-    copy_pairs, num_copy = compact_pairs(cow_src, app_id, app_cow, cap.max_pairs, (pool_size, pool_size))
-    state = state.replace(
-        status=jnp.where(admitted | swapped_in, RUNNING, state.status),
-        block_table=table, num_blocks=num_blocks, device_ref=device_ref, host_ref=host_ref,
-        host_table=jnp.where((swapped_in | swap_ignored)[:, None, None], 0, state.host_table),
-    )
-    return state, Moves(swap_in_pairs, num_swap_in, copy_pairs, num_copy)
+
+def append_slots(blk: Blocks, pairs, d: dict, decoding, num_active: jax.Array):
+    """Decode slots only (no group admitted or swapped in): `place` without fresh tables."""
+    app_new, app_cow, app = _appends(d, decoding)
+    app_id = take_ranked(free_list(blk.device_ref, num_active), mask_rank(app), app)
+    return _apply_appends(blk, pairs, app_new, app_cow, app_id)
+
+
+def place(blk: Blocks, pairs, host_table, seq_alive, num_tokens, d: dict, share, admitted,
+          swapped_in, run_served, swap_ignored, num_active: jax.Array, block_size: int):
+    """Allocate the step's blocks: decode slots first, then fresh tables (lowest ids first).
+
+    `share` is (valid, holder, is_first) of the step-start tables (block_pool.first_holder).
+    Returns the new blocks, the pair lists with swap-in and copy rows written, and the
+    numbers of swap-in and copy pairs.
+    """
+    app_new, app_cow, app = _appends(d, (run_served | swapped_in) & ~d["in_prefill"])
+    blocks = free_list(blk.device_ref, num_active)
+    app_id = take_ranked(blocks, mask_rank(app), app)
+
+    def fresh_branch(b, pairs):
+        return _fresh_tables(b, pairs, host_table, seq_alive, num_tokens, d, share, blocks,
+                             app.sum(dtype=jnp.int32), admitted, swapped_in, swap_ignored,
+                             block_size)
+
+    blk, pairs, num_swap_in = lax.cond((admitted | swapped_in | swap_ignored).any(), fresh_branch,
+                                       lambda b, pairs: (b, pairs, jnp.int32(0)), blk, pairs)
+    blk, pairs, num_copy = _apply_appends(blk, pairs, app_new, app_cow, app_id)
+    return blk, pairs, num_swap_in, num_copy

@@ -3,26 +3,27 @@
 The running walk picks victims; this module decides each victim's mode (SPEC A5, B1) and
 applies it: recompute frees the device blocks and sends the group to the front of
 `waiting`; swap moves its unique blocks to host blocks and sends it to the tail of
-`swapped`. Every array is in slot space unless named `_w` (walk order).
+`swapped`. Arrays named `_w` are in walk order, the rest in slot space. The scheduler calls
+`preempt` under a `lax.cond`: most steps preempt nobody.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxsched.block_pool import (add_refs, compact_pairs, exclusive_cumsum, free_list,
-                                 num_free, take_ranked)
+from jaxsched.block_pool import add_refs, cumsum, free_list, mask_rank, take_ranked, write_pairs
 from jaxsched.config import PREEMPT_AUTO, PREEMPT_RECOMPUTE, PREEMPT_SWAP
-from jaxsched.state import SWAPPED, WAITING, SchedulerState
+from jaxsched.placement import SWAP_OUT, Blocks
+from jaxsched.state import SWAPPED, WAITING
 
 
 def reverse_exclusive_cumsum(x: jax.Array) -> jax.Array:
-    """out[p] = sum of x[q] for q > p."""
+    """out[p] = number of True x[q] for q > p (x a mask)."""
     x = x.astype(jnp.int32)
-    return jnp.cumsum(x[::-1])[::-1] - x
+    return cumsum(x[::-1], bound=x.shape[0])[::-1] - x
 
 
 def choose_modes(victims_w: jax.Array, nmax_w: jax.Array, held_w: jax.Array, mode: jax.Array,
@@ -49,49 +50,71 @@ def choose_modes(victims_w: jax.Array, nmax_w: jax.Array, held_w: jax.Array, mod
     return swap, victims_w & ~swap
 
 
-class Preempted(NamedTuple):
-    state: SchedulerState
-    swap_out_pairs: jax.Array    # int32[P, 2] (device block, host block), padded
-    num_swap_out: jax.Array
+class Victims(NamedTuple):
+    """Who is preempted how, in slot space."""
+    recompute: jax.Array         # bool[G]
+    swap: jax.Array              # bool[G]
+    rank_recompute: jax.Array    # int32[G] victims of the same mode preempted before this one
+    rank_swap: jax.Array         # int32[G]
 
 
-def apply_preemption(state: SchedulerState, recompute: jax.Array, swap: jax.Array,
-                     rank_recompute: jax.Array, rank_swap: jax.Array, dev_valid: jax.Array,
-                     holder: jax.Array, is_first: jax.Array, block_size: int,
-                     max_pairs: int) -> Preempted:
-    """Free victims' device blocks; give swap victims host blocks (shared blocks once)."""
-    victims = recompute | swap
-    entries = dev_valid & victims[:, None, None]
-    device_ref = add_refs(state.device_ref, state.block_table, entries, -1)
+def no_victims(g: int) -> Victims:
+    zb, zi = jnp.zeros((g,), bool), jnp.zeros((g,), jnp.int32)
+    return Victims(zb, zb, zi, zi)
 
+
+def pick_modes(victims_w, nmax_w, held_w, mode, host_free,
+               to_slots: Callable[..., list]) -> Victims:
+    """Modes and preemption ranks of the running walk's victims, mapped to slots."""
+    swap_w, rec_w = choose_modes(victims_w, nmax_w, held_w, mode, host_free)
+    # Preemption order is decreasing walk position: ranks among each mode's victims.
+    rec, swap, r_rec, r_swap = to_slots(rec_w, swap_w, reverse_exclusive_cumsum(rec_w),
+                                        reverse_exclusive_cumsum(swap_w))
+    return Victims(rec, swap, r_rec, r_swap)
+
+
+def free_victims(blk: Blocks, pairs, host_table, v: Victims, share, num_host_active):
+    """Free victims' device blocks; give swap victims host blocks (shared blocks once).
+
+    `share` is (valid, holder, is_first) of the step-start tables. Returns the new blocks
+    (the caller clears the victims' tables), the new host table, the pair lists with the
+    (device, host) swap-out row written, and the number of swap-out pairs.
+    """
+    valid, holder, is_first = share
+    victims = v.recompute | v.swap
+    entries = valid & victims[:, None, None]
+    device_ref = add_refs(blk.device_ref, blk.block_table, entries, -1)
     # Host blocks for the unique device blocks of swap victims, lowest free first.
-    fresh = entries & swap[:, None, None] & is_first
-    host_ids = take_ranked(free_list(state.host_ref, state.limits.num_host_blocks),
-                           exclusive_cumsum(fresh.reshape(-1)).reshape(fresh.shape), fresh)
+    fresh = entries & v.swap[:, None, None] & is_first
+    host_ids = take_ranked(free_list(blk.host_ref, num_host_active), mask_rank(fresh), fresh)
     host_new = jnp.take_along_axis(host_ids, holder, axis=1)
-    swap_entries = entries & swap[:, None, None]
-    host_table = jnp.where(swap[:, None, None], jnp.where(swap_entries, host_new, 0), state.host_table)
-    host_ref = add_refs(state.host_ref, host_table, swap_entries, 1)
-    pairs, count = compact_pairs(state.block_table, host_new, fresh, max_pairs,
-                                 (state.device_ref.shape[0], state.host_ref.shape[0]))
+    swap_entries = entries & v.swap[:, None, None]
+    host_table = jnp.where(v.swap[:, None, None], jnp.where(swap_entries, host_new, 0), host_table)
+    host_ref = add_refs(blk.host_ref, host_table, swap_entries, 1)
+    pairs, count = write_pairs(pairs, SWAP_OUT, blk.block_table, host_new, fresh)
+    return blk._replace(device_ref=device_ref, host_ref=host_ref), host_table, pairs, count
 
-    # Recompute: back to waiting with every token still to compute. A forked group keeps
-    # all its sequences; the prompt's full blocks are prefilled once (SPEC B1).
-    full_prompt = (state.prompt_len // block_size) * block_size
-    lens = jnp.where(state.seq_alive, state.num_tokens, 0).sum(1)
-    total = lens - (state.num_live_seqs - 1) * full_prompt
-    n_rec = recompute.sum(dtype=jnp.int32)
-    n_swap = swap.sum(dtype=jnp.int32)
-    new = state.replace(
-        status=jnp.where(recompute, WAITING, jnp.where(swap, SWAPPED, state.status)),
-        queue_key=jnp.where(recompute, state.front_key - rank_recompute,
-                            jnp.where(swap, state.tail_key + rank_swap, state.queue_key)),
-        prefill_done=jnp.where(recompute, 0, state.prefill_done),
-        prefill_total=jnp.where(recompute, total, state.prefill_total),
-        num_preemptions=state.num_preemptions + victims.astype(jnp.int32),
-        num_blocks=jnp.where(recompute[:, None], 0, state.num_blocks),
-        block_table=jnp.where(victims[:, None, None], 0, state.block_table),
-        host_table=host_table, device_ref=device_ref, host_ref=host_ref,
-        front_key=state.front_key - n_rec, tail_key=state.tail_key + n_swap,
+
+def preempted_fields(f: dict, v: Victims, block_size: int) -> dict:
+    """Group fields after preemption: recompute victims go to the front of `waiting` with
+    every token still to compute, swap victims to the tail of `swapped`.
+
+    A forked group keeps all its sequences; the prompt's full blocks are prefilled once (B1).
+    `f` holds the current fields (decoded); returns only the changed ones.
+    """
+    victims = v.recompute | v.swap
+    full_prompt = (f["prompt_len"] // block_size) * block_size
+    alive = f["seq_alive"]
+    lens = jnp.where(alive, f["num_tokens"], 0).sum(1)
+    total = lens - (alive.sum(1, dtype=jnp.int32) - 1) * full_prompt
+    return dict(
+        status=jnp.where(v.recompute, WAITING, jnp.where(v.swap, SWAPPED, f["status"])),
+        queue_key=jnp.where(v.recompute, f["front_key"] - v.rank_recompute,
+                            jnp.where(v.swap, f["tail_key"] + v.rank_swap, f["queue_key"])),
+        prefill_done=jnp.where(v.recompute, 0, f["prefill_done"]),
+        prefill_total=jnp.where(v.recompute, total, f["prefill_total"]),
+        num_preemptions=f["num_preemptions"] + victims.astype(jnp.int32),
+        front_key=f["front_key"] - v.recompute.sum(dtype=jnp.int32),
+        tail_key=f["tail_key"] + v.swap.sum(dtype=jnp.int32),
     )
-    return Preempted(new, pairs, count)
+

@@ -5,6 +5,11 @@ admitted, the running walk, then, if nothing was preempted, the swapped walk. Ch
 (A6): running walk, swapped walk (if nothing was preempted), admission walk. Each walk is a
 prefix computation over its queue in priority order (walks.py); the state changes they imply
 (preemption, swap-in, allocation, copy-on-write) are applied afterwards as masked updates.
+
+Speed (DESIGN-walks.md, STYLE.md): the three queues share one slot order, cached in the
+state and re-sorted only when a check finds it stale; walks and block work that a step does
+not need (an empty queue, no victim, no block to hand out) are skipped by `lax.cond`; the
+state and the output cross the jit boundary as a few packed arrays.
 """
 from __future__ import annotations
 
@@ -17,49 +22,130 @@ from jax import lax
 from jaxsched import placement
 from jaxsched.block_pool import entry_valid, exclusive_cumsum, first_holder, num_free
 from jaxsched.config import Capacity, SchedulerConfig
-from jaxsched.preemption import apply_preemption, choose_modes, reverse_exclusive_cumsum
+from jaxsched.placement import Blocks, no_pairs
+from jaxsched.preemption import free_victims, no_victims, pick_modes, preempted_fields
 from jaxsched.state import (FINISHED, IGNORE_NEVER_FITS, IGNORE_PROMPT_TOO_LONG, IGNORED,
                             RUNNING, SWAPPED, WAITING, SchedulerState)
 from jaxsched.walks import PrefixWalk, RunningInputs, prefix_walk, running_walk, running_walk_loop
 
+OUTPUT_FIELDS = ("scheduled", "num_scheduled_tokens", "is_prefill", "num_seqs", "preempted",
+                 "preempt_order", "swapped_in", "ignored", "blocks_to_swap_out", "num_swap_out",
+                 "blocks_to_swap_in", "num_swap_in", "blocks_to_copy", "num_copy",
+                 "num_free_device_blocks", "num_free_host_blocks")
+SLOT_OUTPUTS = OUTPUT_FIELDS[:8]
+PAIR_OUTPUTS = ("blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy")
+COUNT_OUTPUTS = ("num_swap_out", "num_swap_in", "num_copy", "num_free_device_blocks",
+                 "num_free_host_blocks")
+_BOOL_OUTPUTS = {"scheduled", "is_prefill", "swapped_in", "ignored"}
 
-class SchedulerOutput(NamedTuple):
+
+@jax.tree_util.register_pytree_node_class
+class SchedulerOutput:
     """What one step decided, per slot, plus the block moves for the cache kernels.
 
-    Pair lists are int32[max_pairs, 2] padded with out-of-range ids (the pool sizes), so the
-    kernels can scatter with mode="drop"; `num_*` says how many pairs are real.
+    Packed as three arrays (each array out of a jitted call costs time):
+      slots:  int32[8, G]     one row per field of SLOT_OUTPUTS
+      pairs:  int32[3, P, 2]  blocks_to_swap_out, blocks_to_swap_in, blocks_to_copy;
+                              P = placement.pair_rows(cap), the most pairs a step can make
+      counts: int32[5]        COUNT_OUTPUTS
+    Named fields (properties; `_fields` and `_asdict()` as on a NamedTuple):
+      scheduled: bool[G]; num_scheduled_tokens: int32[G] prefill chunk, or 1 for a decode;
+      is_prefill: bool[G] the chunk is part of the prompt; num_seqs: int32[G] sequences
+      running in this step; preempted: int32[G] 0 no, 1 recompute, 2 swap; preempt_order:
+      int32[G] order of preemption within the step; swapped_in, ignored: bool[G];
+      blocks_to_swap_out (device, host), blocks_to_swap_in (host, device), blocks_to_copy
+      (src, dst): int32[P, 2]; num_swap_out, num_swap_in, num_copy, num_free_device_blocks,
+      num_free_host_blocks: int32[].
+    Pair lists are padded with out-of-range ids (the pool sizes), so the kernels can
+    scatter with mode="drop"; `num_*` says how many pairs are real.
     """
-    scheduled: jax.Array           # bool[G]
-    num_scheduled_tokens: jax.Array  # int32[G] prefill chunk, or 1 for a decode
-    is_prefill: jax.Array          # bool[G] the chunk is part of the prompt
-    num_seqs: jax.Array            # int32[G] sequences running in this step
-    preempted: jax.Array           # int32[G] 0 no, 1 recompute, 2 swap
-    preempt_order: jax.Array       # int32[G] order of preemption within the step
-    swapped_in: jax.Array          # bool[G]
-    ignored: jax.Array             # bool[G]
-    blocks_to_swap_out: jax.Array  # int32[P, 2] (device, host)
-    num_swap_out: jax.Array
-    blocks_to_swap_in: jax.Array   # int32[P, 2] (host, device)
-    num_swap_in: jax.Array
-    blocks_to_copy: jax.Array      # int32[P, 2] (src, dst) device blocks
-    num_copy: jax.Array
-    num_free_device_blocks: jax.Array
-    num_free_host_blocks: jax.Array
+    __slots__ = ("slots", "pairs", "counts")
+    _fields = OUTPUT_FIELDS
+
+    def __init__(self, slots, pairs, counts):
+        self.slots, self.pairs, self.counts = slots, pairs, counts
+
+    def tree_flatten(self):
+        return (self.slots, self.pairs, self.counts), None
+
+    @classmethod
+    def tree_unflatten(cls, _, leaves):
+        return cls(*leaves)
+
+    @classmethod
+    def from_fields(cls, **f) -> SchedulerOutput:
+        return cls(jnp.stack([jnp.asarray(f[n]).astype(jnp.int32) for n in SLOT_OUTPUTS]),
+                   jnp.stack([f[n] for n in PAIR_OUTPUTS]),
+                   jnp.stack([jnp.asarray(f[n], jnp.int32) for n in COUNT_OUTPUTS]))
+
+    def get(self, name: str) -> jax.Array:
+        if name in _SLOT_AT:
+            row = self.slots[..., _SLOT_AT[name], :]
+            return row != 0 if name in _BOOL_OUTPUTS else row
+        if name in _PAIR_AT:
+            return self.pairs[..., _PAIR_AT[name], :, :]
+        return self.counts[..., _COUNT_AT[name]]
+
+    def _asdict(self) -> dict:
+        return {n: self.get(n) for n in OUTPUT_FIELDS}
+
+    def __repr__(self):
+        return f"SchedulerOutput(slots={self.slots.shape}, pairs={self.pairs.shape})"
 
 
-def queue_order(member: jax.Array, arrival: jax.Array, key: jax.Array, by_arrival: bool):
-    """Slots of a queue in walk order (members first) and the member count."""
-    idx = jnp.arange(member.shape[0], dtype=jnp.int32)
-    outsider = (~member).astype(jnp.int32)
-    if by_arrival:
-        order = lax.sort((outsider, arrival, key, idx), num_keys=3)[-1]
-    else:
-        order = lax.sort((outsider, key, idx), num_keys=2)[-1]
-    return order, member.sum(dtype=jnp.int32)
+_SLOT_AT = {n: i for i, n in enumerate(SLOT_OUTPUTS)}
+_PAIR_AT = {n: i for i, n in enumerate(PAIR_OUTPUTS)}
+_COUNT_AT = {n: i for i, n in enumerate(COUNT_OUTPUTS)}
+for _name in OUTPUT_FIELDS:
+    setattr(SchedulerOutput, _name, property(lambda self, _n=_name: self.get(_n)))
 
 
-def to_slots(order: jax.Array, values: jax.Array) -> jax.Array:
-    return jnp.zeros_like(values).at[order].set(values)
+class Queues(NamedTuple):
+    """The three queues in one slot order: waiting, running, swapped, then idle slots.
+
+    Waiting is in queue_key order, running and swapped in (arrival_time, queue_key) order;
+    `pos` inverts `order`. Queue q occupies order[start[q] : start[q] + count[q]].
+    """
+    order: jax.Array     # int32[G]
+    pos: jax.Array       # int32[G]
+    start: tuple         # int32[] x 3
+    count: tuple         # int32[] x 3
+
+    def walk(self, q: int) -> jax.Array:
+        """Slots of queue q in walk order, padded past its count with later slots."""
+        g = self.order.shape[0]
+        return jnp.take(self.order, jnp.clip(self.start[q] + jnp.arange(g), 0, g - 1))
+
+    def to_slots(self, q: int, member: jax.Array, *values_w) -> list:
+        """Walk-ordered values of queue q back in slot space (zero outside the queue)."""
+        g = self.order.shape[0]
+        at = jnp.clip(self.pos - self.start[q], 0, g - 1)
+        return [jnp.where(member, jnp.take(v, at), jnp.zeros((), v.dtype)) for v in values_w]
+
+
+def _queues(state: SchedulerState, d) -> Queues:
+    """Sort slots by (queue, arrival for running/swapped, queue_key, slot), unless the
+    order cached in the state still is sorted (the common case: a steady step keeps it)."""
+    g = d["is_run"].shape[0]
+    idx = jnp.arange(g, dtype=jnp.int32)
+
+    def sort_keys(slots):
+        status = jnp.take(state.status, slots)
+        queue = jnp.where(status == WAITING, 0, jnp.where(status == RUNNING, 1,
+                                                          jnp.where(status == SWAPPED, 2, 3)))
+        arrival = jnp.where((queue == 1) | (queue == 2), jnp.take(state.arrival_time, slots), 0.0)
+        return queue, arrival, jnp.where(queue < 3, jnp.take(state.queue_key, slots), 0), slots
+
+    cached = jnp.clip(state.walk_order, 0, g - 1)
+    keys = sort_keys(cached)
+    # Strictly increasing tuples: sorted, and (slots being distinct) a permutation.
+    less = keys[-1][:-1] < keys[-1][1:]
+    for k in reversed(keys[:-1]):
+        less = (k[:-1] < k[1:]) | ((k[:-1] == k[1:]) & less)
+    order = lax.cond(less.all(), lambda: cached, lambda: lax.sort(sort_keys(idx), num_keys=4)[-1])
+    pos = jnp.zeros((g,), jnp.int32).at[order].set(idx)
+    count = d["counts"]
+    return Queues(order, pos, (jnp.int32(0), count[0], count[0] + count[1]), tuple(count))
 
 
 def _ceil_div(a, b):
@@ -74,6 +160,8 @@ def append_plan(table, num_blocks, alive, num_tokens, decode, block_size):
     s = alive.shape[1]
     decode = decode[:, None] & alive
     need_new = decode & (_ceil_div(num_tokens, block_size)[:, None] > num_blocks)
+    if s == 1:
+        return need_new, jnp.zeros_like(need_new)
     last = jnp.take_along_axis(table, jnp.maximum(num_blocks - 1, 0)[..., None], axis=2)[..., 0]
     same = (last[:, :, None] == last[:, None, :]) & alive[:, :, None] & alive[:, None, :]
     later = jnp.arange(s)[None, :] > jnp.arange(s)[:, None]
@@ -81,25 +169,31 @@ def append_plan(table, num_blocks, alive, num_tokens, decode, block_size):
     return need_new, cow
 
 
-def _delay_gate(state: SchedulerState, now, runs, is_wait, is_run):
+def _delay_gate(state: SchedulerState, now, runs, any_wait, any_run, is_wait):
     """SPEC A7: update the latency state when the admission walk runs; is it open?"""
     lim = state.limits
     latency = jnp.where(runs & state.prev_admitted, now - state.prev_time, state.last_prompt_latency)
     earliest = jnp.min(jnp.where(is_wait, state.arrival_time, jnp.inf))
-    open_ = ((lim.delay_factor == 0) | ~is_wait.any() | ~is_run.any()
+    open_ = ((lim.delay_factor == 0) | ~any_wait | ~any_run
              | ((now - earliest) > lim.delay_factor * latency))
     return open_, latency, jnp.where(runs, now, state.prev_time)
 
 
-def _admission(state, cap, d, free, token_left, seq_left, enabled):
+def _no_walk(g: int) -> PrefixWalk:
+    return PrefixWalk(jnp.zeros((g,), bool), jnp.zeros((g,), bool), jnp.zeros((g,), jnp.int32))
+
+
+def _admission(state, cap, d, q: Queues, free, token_left, seq_left):
     """SPEC A4.2 / A6 admission walk over `waiting` (with B1's multi-sequence recomputes)."""
     lim = state.limits
-    order, m = queue_order(d["is_wait"], state.arrival_time, state.queue_key, by_arrival=False)
+    order, m = q.walk(0), q.count[0]
     t = lambda x: jnp.take(x, order, axis=0)
-    multi = t(d["n_live"]) > 1
+    n_live = t(d["n_live"])
+    multi = n_live > 1
     total = t(state.prefill_total)
-    footprint = t(d["footprint"])
-    test_need = footprint + jnp.where(multi, t(d["n_live"]), 0)
+    seq_blocks = jnp.where(state.seq_alive, _ceil_div(state.num_tokens, cap.block_size), 0).sum(1)
+    footprint = t(seq_blocks) - jnp.maximum(n_live - 1, 0) * t(d["prompt_blocks"])
+    test_need = footprint + jnp.where(multi, n_live, 0)
     never = jnp.where(multi, test_need > lim.num_device_blocks,
                       lim.num_device_blocks - footprint < lim.watermark_blocks)
     single = ~multi
@@ -114,172 +208,384 @@ def _admission(state, cap, d, free, token_left, seq_left, enabled):
     else:
         too_long = single & (total > jnp.minimum(lim.max_model_len, lim.max_num_batched_tokens))
     walk = prefix_walk(never | too_long, test_need, footprint, total,
-                       multi | cap.enable_chunked_prefill, t(d["nmax"]), jnp.where(enabled, m, 0),
+                       multi | cap.enable_chunked_prefill, t(d["nmax"]), m,
                        free, lim.watermark_blocks, token_left, seq_left)
-    walk = PrefixWalk(*(to_slots(order, x) for x in walk))
-    reason = jnp.where(to_slots(order, too_long), IGNORE_PROMPT_TOO_LONG, IGNORE_NEVER_FITS)
-    return walk, reason, order
+    served, skipped, chunk, too_long = q.to_slots(0, d["is_wait"], *walk, too_long)
+    reason = jnp.where(too_long, IGNORE_PROMPT_TOO_LONG, IGNORE_NEVER_FITS)
+    return PrefixWalk(served, skipped, chunk), reason
 
 
-def _swapped(state, cap, d, free, token_left, seq_left, enabled):
+def _swapped(state, cap, d, q: Queues, free, token_left, seq_left):
     """SPEC A4.5 swapped walk (B2 frees ignored groups' host blocks; B5b chunks a long prefill)."""
     lim = state.limits
-    order, m = queue_order(d["is_swap"], state.arrival_time, state.queue_key, by_arrival=True)
+    order, m = q.walk(2), q.count[2]
     t = lambda x: jnp.take(x, order, axis=0)
     test_need = t(d["held"] + d["n_live"])
     tokens = t(jnp.where(d["in_prefill"], d["rest"], d["n_live"]))
     chunkable = t(d["in_prefill"] & (d["rest"] > lim.max_num_batched_tokens))
-    walk = prefix_walk(test_need > lim.num_device_blocks, test_need, t(d["held"] + d["append_h"]),
-                       tokens, chunkable, t(d["nmax"]), jnp.where(enabled, m, 0), free,
+    append_h = jnp.where(d["is_swap"], d["appends"], 0)
+    walk = prefix_walk(test_need > lim.num_device_blocks, test_need, t(d["held"] + append_h),
+                       tokens, chunkable, t(d["nmax"]), m, free,
                        lim.watermark_blocks, token_left, seq_left)
-    return PrefixWalk(*(to_slots(order, x) for x in walk)), order
+    return PrefixWalk(*q.to_slots(2, d["is_swap"], *walk))
 
 
-def _running(state, cap, d, free, enabled):
-    """SPEC A4.4 / A6 running walk; returns slot-space results and walk-order helpers."""
+class Running(NamedTuple):
+    served: jax.Array          # bool[G], slot space
+    preempted: jax.Array       # bool[G]
+    preempt_order: jax.Array   # int32[G]
+    chunk: jax.Array           # int32[G]
+    charged: jax.Array         # int32[G]
+    preempted_w: jax.Array     # bool[G], walk order (for choosing modes)
+    count: jax.Array           # artificial failures left
+
+
+def _running(state, cap, d, q: Queues, free, enabled):
+    """SPEC A4.4 / A6 running walk (skipped when disabled or `running` is empty).
+
+    NOTE: most steps serve every running group. When the whole queue's tokens fit the budget
+    and the free blocks cover all appends with max_seqs_per_group to spare, the walk can
+    neither stop nor preempt (every group passes `can_append_slots` with the blocks left
+    after all appends), so its outcome is known without the prefix sums: the `everyone`
+    branch. Artificial preemption always walks.
+    """
     lim = state.limits
-    order, m = queue_order(d["is_run"], state.arrival_time, state.queue_key, by_arrival=True)
-    m = jnp.where(enabled, m, 0)
-    t = lambda x: jnp.take(x, order, axis=0)
-    inp = RunningInputs(num_seqs=t(d["n_live"]), need=t(d["append_d"]), held=t(d["held"]),
-                        full=t(jnp.where(d["in_prefill"], d["rest"], d["n_live"])),
-                        is_prefill=t(d["in_prefill"]))
+    g = d["is_run"].shape[0]
     count = state.artificial_count
+    full = jnp.where(d["in_prefill"], d["rest"], d["n_live"])
+
+    def walk():
+        order, m = q.walk(1), q.count[1]
+        t = lambda x: jnp.take(x, order, axis=0)
+        append_d = jnp.where(d["is_run"], d["appends"], 0)
+        inp = RunningInputs(num_seqs=t(d["n_live"]), need=t(append_d), held=t(d["held"]),
+                            full=t(full), is_prefill=t(d["in_prefill"]))
+        if cap.artificial_preemption:
+            key = jax.random.fold_in(state.rng, state.step)
+            walk, cnt = running_walk_loop(inp, m, free, lim.max_num_batched_tokens, key, count)
+        else:
+            bound = cap.num_slots * cap.max_seqs_per_group * (cap.max_blocks_per_seq + 1)
+            walk, cnt = running_walk(inp, m, free, lim.max_num_batched_tokens, bound), count
+        return Running(*q.to_slots(1, d["is_run"], *walk), walk.preempted, cnt)
+
+    def everyone():
+        zb, zi = jnp.zeros((g,), bool), jnp.zeros((g,), jnp.int32)
+        chunk = jnp.where(d["is_run"] & d["in_prefill"], full, jnp.where(d["is_run"], 1, 0))
+        charged = jnp.where(d["is_run"], jnp.where(d["in_prefill"], full, d["n_live"]), 0)
+        return Running(d["is_run"], zb, zi, chunk, charged, zb, count)
+
+    def skip():
+        zb, zi = jnp.zeros((g,), bool), jnp.zeros((g,), jnp.int32)
+        return Running(zb, zb, zi, zi, zi, zb, count)
+
+    fits = _everyone_fits(d, lim, free, cap)
+    branch = jnp.where(enabled & (q.count[1] > 0), jnp.where(fits, 1, 2), 0)
+    return lax.switch(branch, [skip, everyone, walk])
+
+
+def _everyone_fits(d, lim, free, cap: Capacity) -> jax.Array:
+    """The running walk serves every running group: all their tokens fit the budget, and
+    `free` covers all appends with max_seqs_per_group to spare (see `_running`)."""
     if cap.artificial_preemption:
-        key = jax.random.fold_in(state.rng, state.step)
-        walk, count = running_walk_loop(inp, m, free, lim.max_num_batched_tokens, key, count)
-    else:
-        walk = running_walk(inp, m, free, lim.max_num_batched_tokens)
-    swap_w, rec_w = choose_modes(walk.preempted, t(d["nmax"]), inp.held, lim.preemption_mode,
-                                 num_free(state.host_ref, lim.num_host_blocks))
-    # Preemption order is decreasing walk position: ranks among each mode's victims.
-    ranks = (to_slots(order, reverse_exclusive_cumsum(rec_w)),
-             to_slots(order, reverse_exclusive_cumsum(swap_w)))
-    return walk._replace(**{f: to_slots(order, getattr(walk, f)) for f in walk._fields}), \
-        to_slots(order, swap_w), to_slots(order, rec_w), ranks, count, order
+        return jnp.asarray(False)
+    budget = lim.max_num_batched_tokens
+    g = d["is_run"].shape[0]
+    # run_tokens sums min(full, budget + 1): exact while it is <= budget, and it cannot wrap
+    # when budget < 2**31 / G.
+    return ((d["run_tokens"] <= budget) & (budget < (2**31 - 1) // g - 1)
+            & (free - d["run_appends"] >= cap.max_seqs_per_group))
 
 
-def _derived(state: SchedulerState, cap: Capacity):
-    """Per-group quantities every walk reads, computed once from the state at step start."""
-    bs, m = cap.block_size, cap.max_blocks_per_seq
+def _sharing(state: SchedulerState, d, cap: Capacity):
+    """(valid, holder, is_first) of the step-start tables (block_pool.first_holder).
+
+    Device tables for running groups, host tables for swapped ones. With one sequence per
+    group nothing is shared, and the [G, S, S, M] comparison is skipped.
+    """
+    valid = entry_valid(state.num_blocks, state.seq_alive & (d["is_run"] | d["is_swap"])[:, None],
+                        cap.max_blocks_per_seq)
+    if cap.max_seqs_per_group == 1:
+        return valid, jnp.zeros(valid.shape, jnp.int32), jnp.ones(valid.shape, bool)
+    table = jnp.where(d["is_swap"][:, None, None], state.host_table, state.block_table)
+    return (valid,) + first_holder(table, valid)
+
+
+def _basics(state: SchedulerState, cap: Capacity):
+    """Per-group quantities every step reads: queues, prefill progress, appends."""
     alive = state.seq_alive
     n_live = alive.sum(1, dtype=jnp.int32)
-    is_run, is_wait, is_swap = (state.status == RUNNING), (state.status == WAITING), (state.status == SWAPPED)
+    status = state.status
+    is_run, is_wait, is_swap = (status == RUNNING), (status == WAITING), (status == SWAPPED)
     in_prefill = state.prefill_done < state.prefill_total
+    rest = state.prefill_total - state.prefill_done
     leader = jnp.argmax(alive, axis=1)
     group_tokens = jnp.take_along_axis(state.num_tokens, leader[:, None], axis=1)[:, 0]
-    table = jnp.where(is_swap[:, None, None], state.host_table, state.block_table)
-    valid = entry_valid(state.num_blocks, alive & (is_run | is_swap)[:, None], m)
-    holder, is_first = first_holder(table, valid)
-    held = (is_first & valid).sum(axis=(1, 2), dtype=jnp.int32)
-    need_new, cow = append_plan(table, state.num_blocks, alive, group_tokens, ~in_prefill, bs)
+    if cap.max_seqs_per_group == 1:
+        table = state.block_table      # only read for copy-on-write, which needs S > 1
+    else:
+        table = jnp.where(is_swap[:, None, None], state.host_table, state.block_table)
+    need_new, cow = append_plan(table, state.num_blocks, alive, group_tokens, ~in_prefill,
+                                cap.block_size)
     appends = (need_new | cow).sum(1, dtype=jnp.int32)
-    prompt_blocks = state.prompt_len // bs
-    seq_blocks = jnp.where(alive, _ceil_div(state.num_tokens, bs), 0).sum(1)
-    return dict(
-        n_live=n_live, nmax=jnp.where(state.forked, n_live, state.n), is_run=is_run,
-        is_wait=is_wait, is_swap=is_swap, in_prefill=in_prefill,
-        rest=state.prefill_total - state.prefill_done, held=held, valid=valid, holder=holder,
-        is_first=is_first, need_new=need_new, cow=cow,
-        append_d=jnp.where(is_run, appends, 0), append_h=jnp.where(is_swap, appends, 0),
-        footprint=seq_blocks - jnp.maximum(n_live - 1, 0) * prompt_blocks, leader=leader,
-        prompt_blocks=prompt_blocks,
-    )
+    # One reduction for the queue sizes and the running queue's token and block needs.
+    budget = state.limits.max_num_batched_tokens
+    full = jnp.minimum(jnp.where(in_prefill, rest, n_live), budget + 1)
+    totals = jnp.stack([is_wait, is_run, is_swap, is_run * full, is_run * appends,
+                        is_run & in_prefill]).astype(jnp.int32).sum(1)
+    return dict(n_live=n_live, is_run=is_run, is_wait=is_wait, is_swap=is_swap,
+                in_prefill=in_prefill, rest=rest, leader=leader, need_new=need_new, cow=cow,
+                appends=appends, counts=totals[:3], run_tokens=totals[3], run_appends=totals[4],
+                run_prefills=totals[5])
 
 
-def schedule_impl(state: SchedulerState, now: jax.Array, cap: Capacity):
-    """One step, unjitted (for wrapping); `schedule_step` is this under `jax.jit`."""
+def _derived(state: SchedulerState, cap: Capacity, basics: dict):
+    """`basics` plus what the walks and the block work read (held blocks, n or live seqs)."""
+    d = dict(basics)
+    d["share"] = valid, _, is_first = _sharing(state, d, cap)
+    if cap.max_seqs_per_group == 1:
+        alive, m = state.seq_alive, cap.max_blocks_per_seq
+        live = alive & (d["is_run"] | d["is_swap"])[:, None]
+        held = jnp.where(live, jnp.clip(state.num_blocks, 0, m), 0)[:, 0]
+    else:
+        held = (is_first & valid).sum(axis=(1, 2), dtype=jnp.int32)
+    d.update(held=held, nmax=jnp.where(state.forked, d["n_live"], state.n),
+             prompt_blocks=state.prompt_len // cap.block_size)
+    return d
+
+
+def _walks(state, cap, d, q, free0, admission_runs, gate):
+    """The three walks in the mode's order; returns (admitted, swapped-in, running)."""
     lim = state.limits
-    now = jnp.asarray(now, jnp.float32)
-    d = _derived(state, cap)
-    free0 = num_free(state.device_ref, lim.num_device_blocks)
+    g = d["is_run"].shape[0]
     budget, max_seqs = lim.max_num_batched_tokens, lim.max_num_seqs
     nmax, held = d["nmax"], d["held"]
-    admission_runs = jnp.asarray(True) if cap.enable_chunked_prefill else ~d["is_swap"].any()
-    gate, latency, prev_time = _delay_gate(state, now, admission_runs, d["is_wait"], d["is_run"])
     sum_if = lambda mask, x: jnp.where(mask, x, 0).sum(dtype=jnp.int32)
+    append_d = jnp.where(d["is_run"], d["appends"], 0)
+    append_h = jnp.where(d["is_swap"], d["appends"], 0)
+
+    def admission(free, token_left, seq_left, enabled):
+        return lax.cond(enabled & (q.count[0] > 0),
+                        lambda: _admission(state, cap, d, q, free, token_left, seq_left),
+                        lambda: (_no_walk(g), jnp.zeros((g,), jnp.int32)))
+
+    def swapped(free, token_left, seq_left, enabled):
+        return lax.cond(enabled & (q.count[2] > 0),
+                        lambda: _swapped(state, cap, d, q, free, token_left, seq_left),
+                        lambda: _no_walk(g))
 
     if cap.enable_chunked_prefill:
-        run, swap_v, rec_v, ranks, art_count, run_order = _running(state, cap, d, free0, True)
-        free1 = free0 + sum_if(run.preempted, held) - sum_if(run.served, d["append_d"])
+        run = _running(state, cap, d, q, free0, jnp.asarray(True))
+        free1 = free0 + sum_if(run.preempted, held) - sum_if(run.served, append_d)
         tok1 = sum_if(run.served, run.charged)
         seq1 = sum_if(run.served, nmax)
-        swp, swp_order = _swapped(state, cap, d, free1, budget - tok1, max_seqs - seq1, ~run.preempted.any())
-        free2 = free1 - sum_if(swp.served, held + d["append_h"])
+        swp = swapped(free1, budget - tok1, max_seqs - seq1, ~run.preempted.any())
+        free2 = free1 - sum_if(swp.served, held + append_h)
         tok2 = tok1 + sum_if(swp.served, swp.chunk)
         seq2 = seq1 + sum_if(swp.served, nmax)
-        adm, ign_reason, adm_order = _admission(state, cap, d, free2, budget - tok2, max_seqs - seq2, gate)
+        adm, reason = admission(free2, budget - tok2, max_seqs - seq2, gate)
     else:
         seq0 = sum_if(d["is_run"], nmax)
-        adm, ign_reason, adm_order = _admission(state, cap, d, free0, budget, max_seqs - seq0,
-                                                admission_runs & gate)
+        adm, reason = admission(free0, budget, max_seqs - seq0, admission_runs & gate)
         run_enabled = ~adm.served.any()
-        run, swap_v, rec_v, ranks, art_count, run_order = _running(state, cap, d, free0, run_enabled)
-        free1 = free0 + sum_if(run.preempted, held) - sum_if(run.served, d["append_d"])
+        run = _running(state, cap, d, q, free0, run_enabled)
+        free1 = free0 + sum_if(run.preempted, held) - sum_if(run.served, append_d)
         tok1 = sum_if(run.served, run.charged)
-        swp, swp_order = _swapped(state, cap, d, free1, budget - tok1, max_seqs - seq0,
-                       run_enabled & ~run.preempted.any())
+        swp = swapped(free1, budget - tok1, max_seqs - seq0, run_enabled & ~run.preempted.any())
+    return adm, reason, swp, run
 
-    pre = apply_preemption(state, rec_v, swap_v, ranks[0], ranks[1], d["valid"], d["holder"],
-                           d["is_first"], cap.block_size, cap.max_pairs)
-    state = pre.state
-    state, moves = placement.place(state, cap, d, adm.served, swp.served, run.served, swp.skipped)
+
+def schedule_impl(state: SchedulerState, now: jax.Array, cap: Capacity, steady_path: bool = True):
+    """One step, unjitted (for wrapping); `schedule_step` is this under `jax.jit`.
+
+    NOTE: most steps of a serving loop only decode: nothing waits, nothing is swapped out,
+    and every running group fits. Such a step takes `_steady`, which computes the same
+    result as `_general` without the walks' prefix sums and the block work that cannot
+    happen. `steady_path=False` forces the general step (tests compare the two).
+    """
+    lim = state.limits
+    now = jnp.asarray(now, jnp.float32)
+    b = _basics(state, cap)
+    q = _queues(state, b)
+    free0 = num_free(state.device_ref, lim.num_device_blocks)
+    host_free0 = num_free(state.host_ref, lim.num_host_blocks)
+    general = lambda: _general(state, now, cap, _derived(state, cap, b), q, free0, host_free0)
+    if not steady_path or cap.artificial_preemption:
+        return general()
+    n_wait, n_run, n_swap = b["counts"]
+    steady = (n_wait == 0) & (n_swap == 0) & (n_run > 0) & _everyone_fits(b, lim, free0, cap)
+    appending = (b["appends"] > 0) & b["is_run"] & ~b["in_prefill"]
+    branch = jnp.where(steady, jnp.where(appending.any(), 2, 1), 0)
+    return lax.switch(branch, [
+        general,
+        lambda: _steady(state, now, cap, b, q, free0, host_free0, allocate=False),
+        lambda: _steady(state, now, cap, b, q, free0, host_free0, allocate=True)])
+
+
+def _steady(state, now, cap: Capacity, d, q: Queues, free0, host_free0, allocate: bool):
+    """A step that serves every running group and nothing else (see `schedule_impl`).
+
+    The admission walk runs (nothing is swapped) and admits nobody; the running walk serves
+    everyone (`_running`'s `everyone`); the swapped walk has nobody to serve. Only decode
+    slots may need blocks (`allocate`).
+    """
+    lim = state.limits
+    run, prefill = d["is_run"], d["in_prefill"]
+    decode = run & ~prefill
+    g = run.shape[0]
+    blk = Blocks(state.block_table, state.num_blocks, state.device_ref, state.host_ref)
+    pairs = no_pairs(cap)
+    num_copy, free_dev = jnp.int32(0), free0
+    if allocate:
+        blk, pairs, num_copy = placement.append_slots(blk, pairs, d, decode, lim.num_device_blocks)
+        free_dev = num_free(blk.device_ref, lim.num_device_blocks)
+    none = jnp.zeros((g,), bool)
+    n_run, n_prefill = q.count[1], d["run_prefills"]
+
+    def by_position():      # decodes and prefills of `running`: one of them is all of it
+        return jnp.where(run, state.tail_key + q.pos - q.start[1], state.queue_key), state.tail_key + n_run
+
+    queue_key, tail_key = lax.cond(
+        (n_prefill == 0) | (n_prefill == n_run), by_position,
+        lambda: _requeue(q, state.queue_key, state.tail_key, [none, decode, run & prefill, none, none]))
+    new_state = state.replace(
+        queue_key=queue_key, walk_order=q.order, num_blocks=blk.num_blocks,
+        block_table=blk.block_table, device_ref=blk.device_ref, tail_key=tail_key,
+        step=state.step + 1, prev_time=now, prev_admitted=False,
+        last_prompt_latency=jnp.where(state.prev_admitted, now - state.prev_time,
+                                      state.last_prompt_latency))
+    chunk = jnp.where(prefill, d["rest"], 1)
+    zero = jnp.zeros((g,), jnp.int32)
+    out = SchedulerOutput(
+        slots=jnp.stack([run, jnp.where(run, chunk, 0), run & prefill,
+                         jnp.where(run, d["n_live"], 0), zero, zero, none, none]).astype(jnp.int32),
+        pairs=pairs,
+        counts=jnp.stack([jnp.int32(0), jnp.int32(0), num_copy, free_dev, host_free0]))
+    return new_state, out
+
+
+def _general(state, now, cap: Capacity, d, q: Queues, free0, host_free0):
+    """Any step: the three walks, preemption, block placement, ignored groups, requeue."""
+    lim = state.limits
+    g = state.status.shape[0]
+    any_wait, any_run, any_swap = (c > 0 for c in d["counts"])
+    admission_runs = jnp.asarray(True) if cap.enable_chunked_prefill else ~any_swap
+    gate, latency, prev_time = _delay_gate(state, now, admission_runs, any_wait, any_run, d["is_wait"])
+    adm, ign_reason, swp, run = _walks(state, cap, d, q, free0, admission_runs, gate)
+    blk = Blocks(state.block_table, state.num_blocks, state.device_ref, state.host_ref)
+    pairs = no_pairs(cap)
+
+    # Preemption (rare): modes, device blocks freed, host blocks for swap victims.
+    def preempt(blk, pairs, host_table):
+        run_w = q.walk(1)
+        v = pick_modes(run.preempted_w, jnp.take(d["nmax"], run_w), jnp.take(d["held"], run_w),
+                       lim.preemption_mode, host_free0, lambda *xs: q.to_slots(1, d["is_run"], *xs))
+        blk, host_table, pairs, count = free_victims(blk, pairs, host_table, v, d["share"],
+                                                     lim.num_host_blocks)
+        return (v, blk, host_table, pairs, count, num_free(blk.device_ref, lim.num_device_blocks),
+                num_free(blk.host_ref, lim.num_host_blocks))
+
+    def no_preempt(blk, pairs, host_table):
+        return no_victims(g), blk, host_table, pairs, jnp.int32(0), free0, host_free0
+
+    v, blk, host_table, pairs, num_swap_out, free_dev, free_host = lax.cond(
+        run.preempted.any(), preempt, no_preempt, blk, pairs, state.host_table)
+    fields = {n: getattr(state, n) for n in ("status", "queue_key", "prefill_done", "prefill_total",
+                                             "num_preemptions", "front_key", "tail_key",
+                                             "prompt_len", "seq_alive", "num_tokens")}
+    fields.update(preempted_fields(fields, v, cap.block_size))
+    victims = v.recompute | v.swap
+    blk = blk._replace(block_table=jnp.where(victims[:, None, None], 0, blk.block_table),
+                       num_blocks=jnp.where(v.recompute[:, None], 0, blk.num_blocks))
+
+    # Blocks for the scheduled groups (skipped when nothing needs one).
+    decoding = (run.served | swp.served) & ~d["in_prefill"]
+    appending = (d["need_new"] | d["cow"]).any(1) & decoding
+    moved = adm.served | swp.served | swp.skipped
+
+    def place(blk, pairs, free_dev, free_host):
+        blk, pairs, num_in, num_copy = placement.place(
+            blk, pairs, host_table, state.seq_alive, state.num_tokens, d, d["share"],
+            adm.served, swp.served, run.served, swp.skipped, lim.num_device_blocks, cap.block_size)
+        return (blk, pairs, num_in, num_copy, num_free(blk.device_ref, lim.num_device_blocks),
+                num_free(blk.host_ref, lim.num_host_blocks))
+
+    def no_place(blk, pairs, free_dev, free_host):
+        return blk, pairs, jnp.int32(0), jnp.int32(0), free_dev, free_host
+
+    blk, pairs, num_swap_in, num_copy, free_dev, free_host = lax.cond(
+        moved.any() | appending.any(), place, no_place, blk, pairs, free_dev, free_host)
 
     # Ignored groups finish now; swapped ones return their host blocks (SPEC B2).
     ignored = adm.skipped | swp.skipped
-    state = state.replace(
-        status=jnp.where(ignored, FINISHED, state.status),
+    alive = state.seq_alive
+    scheduled = adm.served | swp.served | run.served
+    prefill = d["in_prefill"]
+    queue_key, tail_key = _requeue(q, fields["queue_key"], fields["tail_key"],
+                                   [adm.served, run.served & ~prefill, run.served & prefill,
+                                    swp.served & ~prefill, swp.served & prefill])
+    new_state = state.replace(
+        status=jnp.where(ignored, FINISHED,
+                         jnp.where(adm.served | swp.served, RUNNING, fields["status"])),
         finish_reason=jnp.where(ignored, IGNORED, state.finish_reason),
         ignore_reason=jnp.where(adm.skipped, ign_reason,
                                 jnp.where(swp.skipped, IGNORE_NEVER_FITS, state.ignore_reason)),
-        seq_alive=state.seq_alive & ~ignored[:, None],
-        num_blocks=jnp.where(ignored[:, None], 0, state.num_blocks),
-        seq_finish_reason=jnp.where(ignored[:, None] & state.seq_alive, IGNORED, state.seq_finish_reason),
+        queue_key=queue_key, prefill_done=fields["prefill_done"],
+        prefill_total=fields["prefill_total"], num_preemptions=fields["num_preemptions"],
+        walk_order=q.order,
+        seq_alive=alive & ~ignored[:, None],
+        seq_finish_reason=jnp.where(ignored[:, None] & alive, IGNORED, state.seq_finish_reason),
+        num_blocks=jnp.where(ignored[:, None], 0, blk.num_blocks),
+        block_table=blk.block_table,
+        host_table=jnp.where((swp.served | swp.skipped)[:, None, None], 0, host_table),
+        device_ref=blk.device_ref, host_ref=blk.host_ref,
+        tail_key=tail_key, front_key=fields["front_key"], step=state.step + 1,
+        prev_time=prev_time, last_prompt_latency=latency,
+        prev_admitted=jnp.where(admission_runs, adm.served.any(), state.prev_admitted),
+        artificial_count=run.count,
     )
 
-    scheduled = adm.served | swp.served | run.served
-    swp_chunk = jnp.where(d["in_prefill"], swp.chunk, 1)      # a decode reports 1 token
+    swp_chunk = jnp.where(prefill, swp.chunk, 1)      # a decode reports 1 token
     chunk = jnp.where(adm.served, adm.chunk, jnp.where(swp.served, swp_chunk, run.chunk))
-    is_prefill = adm.served | ((swp.served | run.served) & d["in_prefill"])
-    # New running order: not reached (head), admitted, running decodes, running prefills,
-    # swapped-in decodes, swapped-in prefills; each category in its walk order.
-    prefill = d["in_prefill"]
-    state = _requeue(state, [(adm.served, adm_order), (run.served & ~prefill, run_order),
-                             (run.served & prefill, run_order), (swp.served & ~prefill, swp_order),
-                             (swp.served & prefill, swp_order)])
-    admitted_any = adm.served.any()
-    state = state.replace(
-        step=state.step + 1, prev_time=prev_time,
-        last_prompt_latency=latency,
-        prev_admitted=jnp.where(admission_runs, admitted_any, state.prev_admitted),
-        artificial_count=art_count,
-    )
+    is_prefill = adm.served | ((swp.served | run.served) & prefill)
     out = SchedulerOutput(
-        scheduled=scheduled, num_scheduled_tokens=jnp.where(scheduled, chunk, 0),
-        is_prefill=is_prefill & scheduled, num_seqs=jnp.where(scheduled, state.num_live_seqs, 0),
-        preempted=jnp.where(rec_v, 1, jnp.where(swap_v, 2, 0)).astype(jnp.int32),
-        preempt_order=jnp.where(rec_v | swap_v, run.preempt_order, 0),
-        swapped_in=swp.served, ignored=ignored,
-        blocks_to_swap_out=pre.swap_out_pairs, num_swap_out=pre.num_swap_out,
-        blocks_to_swap_in=moves.swap_in_pairs, num_swap_in=moves.num_swap_in,
-        blocks_to_copy=moves.copy_pairs, num_copy=moves.num_copy,
-        num_free_device_blocks=num_free(state.device_ref, lim.num_device_blocks),
-        num_free_host_blocks=num_free(state.host_ref, lim.num_host_blocks),
+        slots=jnp.stack([scheduled, jnp.where(scheduled, chunk, 0), is_prefill & scheduled,
+                         jnp.where(scheduled, d["n_live"], 0),
+                         jnp.where(v.recompute, 1, jnp.where(v.swap, 2, 0)),
+                         jnp.where(victims, run.preempt_order, 0), swp.served, ignored]
+                        ).astype(jnp.int32),
+        pairs=pairs,
+        counts=jnp.stack([num_swap_out, num_swap_in, num_copy, free_dev, free_host]),
     )
-    return state, out
+    return new_state, out
 
 
-def _requeue(state, categories):
+def _requeue(q: Queues, queue_key, tail_key, categories, queue_of=(0, 1, 1, 2, 2)):
     """Tail keys, in order, for the groups that join the tail of `running` this step.
 
-    `categories` lists (slot mask, walk order of the walk that served them).
+    `categories` lists disjoint slot masks; category c lies inside queue `queue_of[c]`, so
+    its rank in the shared slot order is its rank in that queue's walk order. When every
+    category is empty or a whole queue (a steady decode step: all of `running`), the rank is
+    the position in the queue and no prefix sum is needed.
     """
-    new_key, offset = state.queue_key, state.tail_key
-    for mask, order in categories:
-        rank = to_slots(order, exclusive_cumsum(jnp.take(mask, order)))
-        new_key = jnp.where(mask, offset + rank, new_key)
-        offset = offset + mask.sum(dtype=jnp.int32)
-    return state.replace(queue_key=new_key, tail_key=offset)
+    masks = jnp.stack(categories).astype(jnp.int32)              # [C, G] slot space
+    sizes = masks.sum(1)
+    offsets = [tail_key]
+    for size in sizes[:-1]:
+        offsets.append(offsets[-1] + size)
+    offset = jnp.stack(offsets)
+    whole = (sizes == 0) | (sizes == jnp.stack([q.count[i] for i in queue_of]))
+
+    def by_position():
+        start = jnp.stack([q.start[i] for i in queue_of])
+        return ((offset - start)[:, None] + q.pos[None, :]) * masks
+
+    def by_prefix_sum():
+        in_order = jnp.take(masks, q.order, axis=1)
+        rank = exclusive_cumsum(in_order, axis=1, bound=in_order.shape[1])
+        return jnp.take((offset[:, None] + rank) * in_order, q.pos, axis=1)
+
+    keys = lax.cond(whole.all(), by_position, by_prefix_sum).sum(0)
+    return jnp.where(masks.any(0), keys, queue_key), tail_key + sizes.sum()
 
 
 schedule_step = jax.jit(schedule_impl, static_argnames=("cap",))

@@ -1,4 +1,4 @@
-"""The scheduler state: one frozen pytree of fixed-shape arrays, indexed by slot and by block.
+"""The scheduler state: one frozen pytree of a few packed, fixed-shape int32 arrays.
 
 Shapes use G = num_slots, S = max_seqs_per_group, M = max_blocks_per_seq,
 D = num_device_blocks + 1 and H = num_host_blocks + 1 (index 0 of each pool is the null
@@ -6,12 +6,26 @@ block, never handed out). A slot holds one sequence group (one request) from `ad
 to `free_finished`; its `status` says which queue holds it, so a request is in exactly one
 state by construction. Queue order is a key per slot: `running` and `swapped` walk in
 (arrival_time, queue_key) order, `waiting` in queue_key order (SPEC A2).
+
+Storage is packed because every array that crosses a jitted call costs microseconds on
+XLA's CPU backend (STYLE.md): five leaves instead of thirty-eight. Every field keeps its
+name as a read-only property and `state.replace(field=...)` writes it back:
+
+    groups:  int32[NUM_GROUP_FIELDS, G]      per-group fields, one row each (GROUP_FIELDS)
+    seqs:    int32[NUM_SEQ_FIELDS, G, S]     per-sequence fields (SEQ_FIELDS)
+    tables:  int32[2, G, S, M]               block_table, host_table
+    pools:   int32[D + H]                    device_ref, then host_ref
+    scalars: int32[NUM_SCALARS]              step-level scalars and the limits (SCALAR_FIELDS)
+
+Floats are stored bit-cast (exact), bools as 0/1. Properties index from the end, so they
+also work on states stacked along leading axes (vmap).
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax import lax
 
 from jaxsched.config import Capacity, SchedulerConfig
 
@@ -54,11 +68,64 @@ class Limits:
     block_size: jax.Array
 
 
-@struct.dataclass
+# Field layout. `walk_order` is the scheduler's cache of the last queue order (a permutation
+# of slots); schedule checks it and re-sorts when it is stale, so nobody else maintains it.
+GROUP_FIELDS = ("status", "finish_reason", "ignore_reason", "arrival_time", "queue_key",
+                "request_index", "prompt_len", "n", "max_tokens", "forked", "prefill_done",
+                "prefill_total", "num_preemptions", "walk_order")
+SEQ_FIELDS = ("seq_alive", "seq_finish_reason", "num_tokens", "num_blocks")
+TABLE_FIELDS = ("block_table", "host_table")
+POOL_FIELDS = ("device_ref", "host_ref")
+LIMIT_FIELDS = tuple(Limits.__dataclass_fields__)
+# (name, width) in order; rng is a raw uint32[2] PRNG key.
+SCALAR_LAYOUT = (("tail_key", 1), ("front_key", 1), ("step", 1), ("prev_time", 1),
+                 ("last_prompt_latency", 1), ("prev_admitted", 1), ("rng", 2),
+                 ("artificial_count", 1)) + tuple((f, 1) for f in LIMIT_FIELDS)
+SCALAR_FIELDS = tuple(name for name, _ in SCALAR_LAYOUT)
+_SCALAR_AT = {}
+_offset = 0
+for _name, _width in SCALAR_LAYOUT:
+    _SCALAR_AT[_name] = (_offset, _width)
+    _offset += _width
+NUM_SCALARS = _offset
+NUM_GROUP_FIELDS, NUM_SEQ_FIELDS = len(GROUP_FIELDS), len(SEQ_FIELDS)
+
+_FLOATS = {"arrival_time", "prev_time", "last_prompt_latency", "delay_factor"}
+_BOOLS = {"forked", "seq_alive", "prev_admitted"}
+_UINTS = {"rng"}
+
+
+def encode(name: str, value) -> jax.Array:
+    """A field's value as the int32 it is stored as (floats bit-cast, bools 0/1)."""
+    if name in _FLOATS:
+        return lax.bitcast_convert_type(jnp.asarray(value, jnp.float32), jnp.int32)
+    if name in _UINTS:
+        return lax.bitcast_convert_type(jnp.asarray(value, jnp.uint32), jnp.int32)
+    return jnp.asarray(value).astype(jnp.int32)
+
+
+def decode(name: str, stored: jax.Array) -> jax.Array:
+    """Inverse of `encode`."""
+    if name in _FLOATS:
+        return lax.bitcast_convert_type(stored, jnp.float32)
+    if name in _UINTS:
+        return lax.bitcast_convert_type(stored, jnp.uint32)
+    if name in _BOOLS:
+        return stored != 0
+    return stored
+
+
+def _row(leaf: jax.Array, i: int, trailing: int) -> jax.Array:
+    """Row i of a field-major leaf whose rows have `trailing` axes (leading axes kept)."""
+    return leaf[(..., i) + (slice(None),) * trailing]
+
+
+@jax.tree_util.register_pytree_node_class
 class SchedulerState:
     """Everything the scheduler knows. No Python containers: the tree never changes shape.
 
-    Attributes:
+    Packed leaves: `groups`, `seqs`, `tables`, `pools`, `scalars` (see the module doc).
+    Named fields, all read-only properties (write with `replace`):
       status: int32[G]            EMPTY / WAITING / RUNNING / SWAPPED / FINISHED.
       finish_reason: int32[G]     reason once FINISHED (LENGTH_CAPPED, STOPPED, IGNORED, ABORTED).
       ignore_reason: int32[G]     why an IGNORED group was ignored.
@@ -73,6 +140,7 @@ class SchedulerState:
       prefill_total: int32[G]     prefill tokens to compute: the prompt, or after a recompute
                                   the prompt plus outputs (SPEC A5, B1).
       num_preemptions: int32[G]   times this group was preempted.
+      walk_order: int32[G]        the scheduler's cached queue order (a hint, checked each step).
       seq_alive: bool[G, S]       sequence exists and is not finished.
       seq_finish_reason: int32[G, S]
       num_tokens: int32[G, S]     prompt + output tokens of each sequence.
@@ -89,46 +157,116 @@ class SchedulerState:
       artificial_count: int32[]   forced failures left.
       limits: Limits
     """
-    status: jax.Array
-    finish_reason: jax.Array
-    ignore_reason: jax.Array
-    arrival_time: jax.Array
-    queue_key: jax.Array
-    request_index: jax.Array
-    prompt_len: jax.Array
-    n: jax.Array
-    max_tokens: jax.Array
-    forked: jax.Array
-    prefill_done: jax.Array
-    prefill_total: jax.Array
-    num_preemptions: jax.Array
-    seq_alive: jax.Array
-    seq_finish_reason: jax.Array
-    num_tokens: jax.Array
-    num_blocks: jax.Array
-    block_table: jax.Array
-    host_table: jax.Array
-    device_ref: jax.Array
-    host_ref: jax.Array
-    tail_key: jax.Array
-    front_key: jax.Array
-    step: jax.Array
-    prev_time: jax.Array
-    last_prompt_latency: jax.Array
-    prev_admitted: jax.Array
-    rng: jax.Array
-    artificial_count: jax.Array
-    limits: Limits
+    __slots__ = ("groups", "seqs", "tables", "pools", "scalars", "pool_split")
+
+    def __init__(self, groups, seqs, tables, pools, scalars, pool_split: int):
+        # No checks here: jax rebuilds pytrees with placeholder leaves.
+        self.groups, self.seqs, self.tables, self.pools, self.scalars = groups, seqs, tables, pools, scalars
+        self.pool_split = pool_split          # D, the device pool's length (static)
+
+    def tree_flatten(self):
+        return (self.groups, self.seqs, self.tables, self.pools, self.scalars), self.pool_split
+
+    @classmethod
+    def tree_unflatten(cls, pool_split, leaves):
+        return cls(*leaves, pool_split)
+
+    @classmethod
+    def from_fields(cls, **fields) -> SchedulerState:
+        """Pack named fields (every field of the class doc, `walk_order` optional)."""
+        fields = dict(fields)
+        limits = fields.pop("limits")
+        fields.update({f: getattr(limits, f) for f in LIMIT_FIELDS})
+        g = fields["status"].shape[-1]
+        fields.setdefault("walk_order", jnp.arange(g, dtype=jnp.int32))
+        rows = lambda names: [encode(n, fields[n]) for n in names]
+        scalars = [encode(n, fields[n]).reshape(-1) for n in SCALAR_FIELDS]
+        return cls(groups=jnp.stack(rows(GROUP_FIELDS)), seqs=jnp.stack(rows(SEQ_FIELDS)),
+                   tables=jnp.stack(rows(TABLE_FIELDS)),
+                   pools=jnp.concatenate(rows(POOL_FIELDS)), scalars=jnp.concatenate(scalars),
+                   pool_split=int(fields["device_ref"].shape[-1]))
+
+    def stored(self, name: str) -> jax.Array:
+        """A field as stored (int32), without decoding."""
+        if name in _GROUP_AT:
+            return _row(self.groups, _GROUP_AT[name], 1)
+        if name in _SEQ_AT:
+            return _row(self.seqs, _SEQ_AT[name], 2)
+        if name in _TABLE_AT:
+            return _row(self.tables, _TABLE_AT[name], 3)
+        if name == "device_ref":
+            return self.pools[..., :self.pool_split]
+        if name == "host_ref":
+            return self.pools[..., self.pool_split:]
+        offset, width = _SCALAR_AT[name]
+        if width == 1:
+            return self.scalars[..., offset]
+        return self.scalars[..., offset:offset + width]
+
+    def get(self, name: str) -> jax.Array:
+        return decode(name, self.stored(name))
+
+    @property
+    def limits(self) -> Limits:
+        return Limits(**{f: self.get(f) for f in LIMIT_FIELDS})
+
+    def replace(self, **fields) -> SchedulerState:
+        """A copy with the named fields (or whole packed leaves) replaced."""
+        if "limits" in fields:
+            limits = fields.pop("limits")
+            fields.update({f: getattr(limits, f) for f in LIMIT_FIELDS})
+        leaves = {k: fields.pop(k) for k in ("groups", "seqs", "tables", "pools", "scalars")
+                  if k in fields}
+        unknown = set(fields) - _ALL_FIELDS
+        if unknown:
+            raise TypeError(f"SchedulerState.replace: unknown fields {sorted(unknown)}")
+        new = SchedulerState(leaves.get("groups", self.groups), leaves.get("seqs", self.seqs),
+                             leaves.get("tables", self.tables), leaves.get("pools", self.pools),
+                             leaves.get("scalars", self.scalars), self.pool_split)
+        if not fields:
+            return new
+
+        def value(name):
+            cur = new.stored(name)
+            return jnp.broadcast_to(encode(name, fields[name]), cur.shape) if name in fields else cur
+
+        for leaf, names, axis in (("groups", GROUP_FIELDS, -2), ("seqs", SEQ_FIELDS, -3),
+                                  ("tables", TABLE_FIELDS, -4)):
+            if any(n in fields for n in names):
+                setattr(new, leaf, jnp.stack([value(n) for n in names], axis=axis))
+        if any(n in fields for n in POOL_FIELDS):
+            new.pools = jnp.concatenate([value(n) for n in POOL_FIELDS], axis=-1)
+        if any(n in fields for n in SCALAR_FIELDS):
+            parts = [value(n) if _SCALAR_AT[n][1] > 1 else value(n)[..., None] for n in SCALAR_FIELDS]
+            new.scalars = jnp.concatenate(parts, axis=-1)
+        return new
+
+    def as_dict(self) -> dict:
+        """Every named field, decoded (for debugging and tests)."""
+        return {n: self.get(n) for n in _ALL_FIELDS - set(LIMIT_FIELDS)} | {"limits": self.limits}
+
+    def __repr__(self):
+        shapes = ", ".join(f"{k}={getattr(self, k).shape}" for k in ("groups", "seqs", "tables", "pools", "scalars"))
+        return f"SchedulerState({shapes})"
 
     @property
     def num_live_seqs(self) -> jax.Array:
         """int32[G]: sequences each group holds now (1 before the fork)."""
-        return self.seq_alive.sum(axis=1, dtype=jnp.int32)
+        return self.seq_alive.sum(axis=-1, dtype=jnp.int32)
 
     @property
     def max_num_running_seqs(self) -> jax.Array:
         """int32[G]: vLLM's get_max_num_running_seqs: n before the fork, live sequences after."""
         return jnp.where(self.forked, self.num_live_seqs, self.n)
+
+
+_GROUP_AT = {n: i for i, n in enumerate(GROUP_FIELDS)}
+_SEQ_AT = {n: i for i, n in enumerate(SEQ_FIELDS)}
+_TABLE_AT = {n: i for i, n in enumerate(TABLE_FIELDS)}
+_ALL_FIELDS = set(GROUP_FIELDS + SEQ_FIELDS + TABLE_FIELDS + POOL_FIELDS + SCALAR_FIELDS)
+for _name in _ALL_FIELDS - set(LIMIT_FIELDS):
+    setattr(SchedulerState, _name, property(lambda self, _n=_name: self.get(_n),
+                                            doc=f"The `{_name}` field (see the class doc)."))
 
 
 def make_limits(config: SchedulerConfig) -> Limits:
@@ -151,7 +289,7 @@ def init_state(config: SchedulerConfig) -> SchedulerState:
     cap: Capacity = config.capacity()
     g, s, m = cap.num_slots, cap.max_seqs_per_group, cap.max_blocks_per_seq
     zi = lambda *shape: jnp.zeros(shape, jnp.int32)
-    return SchedulerState(
+    return SchedulerState.from_fields(
         status=zi(g), finish_reason=zi(g), ignore_reason=zi(g),
         arrival_time=jnp.zeros((g,), jnp.float32), queue_key=zi(g), request_index=zi(g),
         prompt_len=zi(g), n=zi(g), max_tokens=zi(g), forked=jnp.zeros((g,), bool),

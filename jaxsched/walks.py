@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxsched.block_pool import exclusive_cumsum, first_true
+from jaxsched.block_pool import cummin, cumsum, exclusive_cumsum, first_true
 
 BIG = jnp.int32(2**30)
 
@@ -35,35 +35,42 @@ class RunningInputs(NamedTuple):
     is_prefill: jax.Array      # bool: prompt not fully computed
 
 
-def _walk_tokens(inp: RunningInputs, real: jax.Array, budget: jax.Array):
+def _walk_tokens(inp: RunningInputs, real: jax.Array, budget: jax.Array, full_before=None):
     """Per group: tokens left before it, its chunk, and whether the walk stops at it (B3)."""
-    full = jnp.where(real, inp.full, 0)
-    left = budget - exclusive_cumsum(full)
+    if full_before is None:
+        full_before = exclusive_cumsum(jnp.where(real, inp.full, 0))
+    left = budget - full_before
     chunk = jnp.where(inp.is_prefill, jnp.minimum(inp.full, left), 1)
     stops = real & jnp.where(inp.is_prefill, jnp.minimum(inp.full, left) <= 0, left < inp.num_seqs)
     charged = jnp.where(inp.is_prefill, chunk, inp.num_seqs)
     return chunk, charged, stops
 
 
-def running_walk(inp: RunningInputs, m: jax.Array, free: jax.Array, budget: jax.Array) -> RunningWalk:
-    """SPEC A4.4 / A6 running walk with B3 and B5a, loop-free (DESIGN-walks closed form)."""
+def running_walk(inp: RunningInputs, m: jax.Array, free: jax.Array, budget: jax.Array,
+                 block_bound: int | None = None) -> RunningWalk:
+    """SPEC A4.4 / A6 running walk with B3 and B5a, loop-free (DESIGN-walks closed form).
+
+    `block_bound` (static) bounds the sum of all `need` and `held`; it lets their prefix
+    sums run in float32 (see `block_pool.cumsum`).
+    """
     g = inp.num_seqs.shape[0]
     pos = jnp.arange(g, dtype=jnp.int32)
     real = pos < m
     k = jnp.where(real, inp.num_seqs, 0)
     need = jnp.where(real, inp.need, 0)
     held = jnp.where(real, inp.held, 0)
-    chunk, charged, stops = _walk_tokens(inp, real, budget)
+    full = jnp.where(real, inp.full, 0)
+    need_incl, held_incl = cumsum(jnp.stack([need, held]), axis=1, bound=block_bound)
+    chunk, charged, stops = _walk_tokens(inp, real, budget, exclusive_cumsum(full))
     s = first_true(stops, m)
     visited = pos < s
-    x = free + held.sum() - exclusive_cumsum(need) - k
-    x_min = lax.cummin(jnp.where(visited, x, BIG))
-    held_incl = jnp.cumsum(held)
+    x = free + held_incl[-1] - (need_incl - need) - k
+    x_min = cummin(jnp.where(visited, x, BIG))
     reached = (visited & (held_incl <= x_min)).sum(dtype=jnp.int32)
     failed = reached < s
     lone_prefill = failed & (reached == 0) & inp.is_prefill[0]          # SPEC B5a
     # Fewest tail victims that let every visited group pass: the largest prefix P[i] <= min X.
-    held_excl = jnp.concatenate([held_incl - held, held.sum()[None]])
+    held_excl = jnp.concatenate([held_incl - held, held_incl[-1:]])
     bound = x_min[jnp.maximum(s - 1, 0)]
     bound = jnp.where(s > 0, bound, BIG)
     fits = (jnp.arange(g + 1) <= m) & (held_excl <= bound)
@@ -143,9 +150,8 @@ def prefix_walk(skip, test_need, consume, tokens, chunkable, seqs, m, free, wate
     pos = jnp.arange(g, dtype=jnp.int32)
     real = pos < m
     cand = real & ~skip
-    used_blocks = exclusive_cumsum(jnp.where(cand, consume, 0))
-    used_tokens = exclusive_cumsum(jnp.where(cand, tokens, 0))
-    used_seqs = exclusive_cumsum(jnp.where(cand, seqs, 0))
+    used_blocks, used_tokens, used_seqs = exclusive_cumsum(
+        jnp.where(cand, jnp.stack([consume, tokens, seqs]), 0), axis=1)
     left = token_left - used_tokens
     chunk = jnp.where(chunkable, jnp.minimum(tokens, left), tokens)
     ok = ((free - used_blocks - test_need >= watermark) & (chunk > 0) & (chunk <= left)
