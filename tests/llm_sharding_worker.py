@@ -31,7 +31,7 @@ def main():
     params = [SamplingParams(max_tokens=10, temperature=0.0, n=1 + i % 2) for i in range(6)]
     report = {"devices": len(jax.devices()), "runs": {}}
     runs = [("single", {}, "swap"), ("single", {}, "recompute"), ("tp2", dict(tensor_parallel_size=2), "recompute"),
-            ("tp4", dict(tensor_parallel_size=4), "swap"), ("dp2_tp4", dict(mesh_shape=(2, 4)), "swap")]
+            ("dp2_tp4", dict(mesh_shape=(2, 4)), "swap")]
     for name, kw, mode in runs:
         if True:
             llm = LLM(model, preemption_mode=mode, **ENGINE, **kw)

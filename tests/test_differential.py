@@ -76,19 +76,19 @@ SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, Heal
                 derandomize=True)
 
 
-@settings(max_examples=150, **SETTINGS)
+@settings(max_examples=100, **SETTINGS)
 @given(traces(chunked=False))
 def test_differential__default_mode(trace):
     assert_same_decisions(trace)
 
 
-@settings(max_examples=150, **SETTINGS)
+@settings(max_examples=100, **SETTINGS)
 @given(traces(chunked=True))
 def test_differential__chunked_prefill(trace):
     assert_same_decisions(trace)
 
 
-@settings(max_examples=20, **SETTINGS)
+@settings(max_examples=15, **SETTINGS)
 @given(traces(chunked=False, artificial=True))
 def test_differential__artificial_preemption(trace):
     assert_same_decisions(trace)

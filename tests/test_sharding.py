@@ -201,10 +201,10 @@ def test_llm__cache_and_weights_really_are_sharded(llm_report):
     runs = llm_report["runs"]
     assert runs["single-swap"]["kv_shard_shapes"] == [[15, 2, 4, 4, 8]]
     assert runs["tp2-recompute"]["kv_shard_shapes"] == [[15, 2, 4, 2, 8]]      # kv heads 4 / 2
-    assert runs["tp4-swap"]["kv_shard_shapes"] == [[15, 2, 4, 1, 8]]
-    assert "model" in runs["tp4-swap"]["kv_spec"]
+    assert runs["dp2_tp4-swap"]["kv_shard_shapes"] == [[15, 2, 4, 1, 8]]      # each replica TP 4
+    assert "model" in runs["dp2_tp4-swap"]["kv_spec"]
     assert runs["tp2-recompute"]["q_shard_shapes"] == [[64, 32]]               # q_proj column-parallel
-    assert runs["tp4-swap"]["q_shard_shapes"] == [[64, 16]]
+    assert runs["dp2_tp4-swap"]["q_shard_shapes"] == [[64, 16]]
     devices = runs["dp2_tp4-swap"]["replica_devices"]
     assert devices == [[0, 1, 2, 3], [4, 5, 6, 7]]                            # disjoint replicas
 
