@@ -194,8 +194,9 @@ def _admission(state, cap, d, q: Queues, free, token_left, seq_left):
     seq_blocks = jnp.where(state.seq_alive, _ceil_div(state.num_tokens, cap.block_size), 0).sum(1)
     footprint = t(seq_blocks) - jnp.maximum(n_live - 1, 0) * t(d["prompt_blocks"])
     test_need = footprint + jnp.where(multi, n_live, 0)
-    never = jnp.where(multi, test_need > lim.num_device_blocks,
-                      lim.num_device_blocks - footprint < lim.watermark_blocks)
+    # NEVER wherever the watermark can never be met, also for B1's forked re-admissions:
+    # with `need > num_device_blocks - watermark_blocks` the group would wait forever.
+    never = lim.num_device_blocks - test_need < lim.watermark_blocks
     single = ~multi
     if cap.enable_chunked_prefill:
         # The chunk min(prompt, budget left) is compared with max_model_len, so a long
@@ -224,7 +225,7 @@ def _swapped(state, cap, d, q: Queues, free, token_left, seq_left):
     tokens = t(jnp.where(d["in_prefill"], d["rest"], d["n_live"]))
     chunkable = t(d["in_prefill"] & (d["rest"] > lim.max_num_batched_tokens))
     append_h = jnp.where(d["is_swap"], d["appends"], 0)
-    walk = prefix_walk(test_need > lim.num_device_blocks, test_need, t(d["held"] + append_h),
+    walk = prefix_walk(lim.num_device_blocks - test_need < lim.watermark_blocks, test_need, t(d["held"] + append_h),
                        tokens, chunkable, t(d["nmax"]), m, free,
                        lim.watermark_blocks, token_left, seq_left)
     return PrefixWalk(*q.to_slots(2, d["is_swap"], *walk))

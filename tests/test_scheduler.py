@@ -212,3 +212,20 @@ def test_cli__simulate_prints_summary_and_one_line_errors(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "request 'x': field 'prompt_len'" in err[0]
     assert main(["simulate", str(tmp_path / "missing.json")]) == 2
+
+
+def test_watermark_band__group_that_can_never_pass_is_ignored_not_stalled():
+    """A forked group whose re-admission needs more than num_device_blocks - watermark_blocks
+    would be LATER forever (vLLM stalls); jaxsched ignores it, like the reference."""
+    from reference_scheduler import simulate_reference
+    trace = {"config": {"block_size": 4, "num_device_blocks": 20, "num_host_blocks": 64, "max_num_seqs": 8,
+                        "max_num_batched_tokens": 64, "max_model_len": 256, "enable_chunked_prefill": False,
+                        "preemption_mode": "recompute", "delay_factor": 0.0, "watermark": 0.1,
+                        "step_time": 1.0, "max_steps": 2000},
+             "requests": [{"id": "a", "arrival_step": 0, "prompt_len": 4, "max_tokens": 60, "n": 1},
+                          {"id": "b", "arrival_step": 0, "prompt_len": 44, "max_tokens": 60, "n": 2}]}
+    expected = simulate_reference(json.loads(json.dumps(trace)))
+    got = simulate(trace["config"], trace["requests"], capacity=GOLDEN_CAPACITY, check_invariants=True)
+    assert expected["requests"]["b"]["status"] == "finished_ignored"
+    assert got["requests"] == expected["requests"]
+    assert [_multiset(s) for s in got["steps"]] == [_multiset(s) for s in expected["steps"]]
