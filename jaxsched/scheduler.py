@@ -25,80 +25,8 @@ from jaxsched.config import Capacity, SchedulerConfig
 from jaxsched.placement import Blocks, no_pairs
 from jaxsched.preemption import free_victims, no_victims, pick_modes, preempted_fields
 from jaxsched.state import (FINISHED, IGNORE_NEVER_FITS, IGNORE_PROMPT_TOO_LONG, IGNORED,
-                            RUNNING, SWAPPED, WAITING, SchedulerState)
+                            RUNNING, SWAPPED, WAITING, SchedulerOutput, SchedulerState)
 from jaxsched.walks import PrefixWalk, RunningInputs, prefix_walk, running_walk, running_walk_loop
-
-OUTPUT_FIELDS = ("scheduled", "num_scheduled_tokens", "is_prefill", "num_seqs", "preempted",
-                 "preempt_order", "swapped_in", "ignored", "blocks_to_swap_out", "num_swap_out",
-                 "blocks_to_swap_in", "num_swap_in", "blocks_to_copy", "num_copy",
-                 "num_free_device_blocks", "num_free_host_blocks")
-SLOT_OUTPUTS = OUTPUT_FIELDS[:8]
-PAIR_OUTPUTS = ("blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy")
-COUNT_OUTPUTS = ("num_swap_out", "num_swap_in", "num_copy", "num_free_device_blocks",
-                 "num_free_host_blocks")
-_BOOL_OUTPUTS = {"scheduled", "is_prefill", "swapped_in", "ignored"}
-
-
-@jax.tree_util.register_pytree_node_class
-class SchedulerOutput:
-    """What one step decided, per slot, plus the block moves for the cache kernels.
-
-    Packed as three arrays (each array out of a jitted call costs time):
-      slots:  int32[8, G]     one row per field of SLOT_OUTPUTS
-      pairs:  int32[3, P, 2]  blocks_to_swap_out, blocks_to_swap_in, blocks_to_copy;
-                              P = placement.pair_rows(cap), the most pairs a step can make
-      counts: int32[5]        COUNT_OUTPUTS
-    Named fields (properties; `_fields` and `_asdict()` as on a NamedTuple):
-      scheduled: bool[G]; num_scheduled_tokens: int32[G] prefill chunk, or 1 for a decode;
-      is_prefill: bool[G] the chunk is part of the prompt; num_seqs: int32[G] sequences
-      running in this step; preempted: int32[G] 0 no, 1 recompute, 2 swap; preempt_order:
-      int32[G] order of preemption within the step; swapped_in, ignored: bool[G];
-      blocks_to_swap_out (device, host), blocks_to_swap_in (host, device), blocks_to_copy
-      (src, dst): int32[P, 2]; num_swap_out, num_swap_in, num_copy, num_free_device_blocks,
-      num_free_host_blocks: int32[].
-    Pair lists are padded with out-of-range ids (the pool sizes), so the kernels can
-    scatter with mode="drop"; `num_*` says how many pairs are real.
-    """
-    __slots__ = ("slots", "pairs", "counts")
-    _fields = OUTPUT_FIELDS
-
-    def __init__(self, slots, pairs, counts):
-        self.slots, self.pairs, self.counts = slots, pairs, counts
-
-    def tree_flatten(self):
-        return (self.slots, self.pairs, self.counts), None
-
-    @classmethod
-    def tree_unflatten(cls, _, leaves):
-        return cls(*leaves)
-
-    @classmethod
-    def from_fields(cls, **f) -> SchedulerOutput:
-        return cls(jnp.stack([jnp.asarray(f[n]).astype(jnp.int32) for n in SLOT_OUTPUTS]),
-                   jnp.stack([f[n] for n in PAIR_OUTPUTS]),
-                   jnp.stack([jnp.asarray(f[n], jnp.int32) for n in COUNT_OUTPUTS]))
-
-    def get(self, name: str) -> jax.Array:
-        if name in _SLOT_AT:
-            row = self.slots[..., _SLOT_AT[name], :]
-            return row != 0 if name in _BOOL_OUTPUTS else row
-        if name in _PAIR_AT:
-            return self.pairs[..., _PAIR_AT[name], :, :]
-        return self.counts[..., _COUNT_AT[name]]
-
-    def _asdict(self) -> dict:
-        return {n: self.get(n) for n in OUTPUT_FIELDS}
-
-    def __repr__(self):
-        return f"SchedulerOutput(slots={self.slots.shape}, pairs={self.pairs.shape})"
-
-
-_SLOT_AT = {n: i for i, n in enumerate(SLOT_OUTPUTS)}
-_PAIR_AT = {n: i for i, n in enumerate(PAIR_OUTPUTS)}
-_COUNT_AT = {n: i for i, n in enumerate(COUNT_OUTPUTS)}
-for _name in OUTPUT_FIELDS:
-    setattr(SchedulerOutput, _name, property(lambda self, _n=_name: self.get(_n)))
-
 
 class Queues(NamedTuple):
     """The three queues in one slot order: waiting, running, swapped, then idle slots.
@@ -123,29 +51,48 @@ class Queues(NamedTuple):
         return [jnp.where(member, jnp.take(v, at), jnp.zeros((), v.dtype)) for v in values_w]
 
 
-def _queues(state: SchedulerState, d) -> Queues:
+def _order_is_cached(state: SchedulerState):
+    """(cached order, is it still sorted?) The order the previous step stored in the state
+    is the queue order unless statuses, arrivals or keys changed it since (see `_queues`)."""
+    g = state.status.shape[0]
+    cached = jnp.clip(state.walk_order, 0, g - 1)
+    ok = []
+    # NOTE: checked in chunks of 512 pairs: as one kernel at 1024 slots, XLA's cost model
+    # splits it across threads, and on 2 shared cores the hand-off costs more (up to 100 us)
+    # than the whole check.
+    for start in range(0, g - 1, 512):
+        at = cached[start:min(g, start + 513)]
+        keys = _sort_keys(state, at)
+        # Strictly increasing tuples: sorted, and (slots being distinct) a permutation.
+        less = keys[-1][:-1] < keys[-1][1:]
+        for k in reversed(keys[:-1]):
+            less = (k[:-1] < k[1:]) | ((k[:-1] == k[1:]) & less)
+        ok.append(less.all())
+    return cached, jnp.stack(ok).all() if ok else jnp.asarray(True)
+
+
+def _sort_keys(state: SchedulerState, slots):
+    """(queue, arrival for running/swapped, queue_key, slot) of the given slots."""
+    status = jnp.take(state.status, slots)
+    queue = jnp.where(status == WAITING, 0, jnp.where(status == RUNNING, 1,
+                                                      jnp.where(status == SWAPPED, 2, 3)))
+    arrival = jnp.where((queue == 1) | (queue == 2), jnp.take(state.arrival_time, slots), 0.0)
+    return queue, arrival, jnp.where(queue < 3, jnp.take(state.queue_key, slots), 0), slots
+
+
+def _queues(state: SchedulerState, d, cached=None) -> Queues:
     """Sort slots by (queue, arrival for running/swapped, queue_key, slot), unless the
-    order cached in the state still is sorted (the common case: a steady step keeps it)."""
+    order cached in the state still is sorted (the common case: a steady step keeps it).
+    `cached` is an order known to be sorted."""
     g = d["is_run"].shape[0]
     idx = jnp.arange(g, dtype=jnp.int32)
-
-    def sort_keys(slots):
-        status = jnp.take(state.status, slots)
-        queue = jnp.where(status == WAITING, 0, jnp.where(status == RUNNING, 1,
-                                                          jnp.where(status == SWAPPED, 2, 3)))
-        arrival = jnp.where((queue == 1) | (queue == 2), jnp.take(state.arrival_time, slots), 0.0)
-        return queue, arrival, jnp.where(queue < 3, jnp.take(state.queue_key, slots), 0), slots
-
-    cached = jnp.clip(state.walk_order, 0, g - 1)
-    keys = sort_keys(cached)
-    # Strictly increasing tuples: sorted, and (slots being distinct) a permutation.
-    less = keys[-1][:-1] < keys[-1][1:]
-    for k in reversed(keys[:-1]):
-        less = (k[:-1] < k[1:]) | ((k[:-1] == k[1:]) & less)
-    order = lax.cond(less.all(), lambda: cached, lambda: lax.sort(sort_keys(idx), num_keys=4)[-1])
-    pos = jnp.zeros((g,), jnp.int32).at[order].set(idx)
+    if cached is None:
+        cached, fresh = _order_is_cached(state)
+        cached = lax.cond(fresh, lambda: cached,
+                          lambda: lax.sort(_sort_keys(state, idx), num_keys=4)[-1])
+    pos = jnp.zeros((g,), jnp.int32).at[cached].set(idx)
     count = d["counts"]
-    return Queues(order, pos, (jnp.int32(0), count[0], count[0] + count[1]), tuple(count))
+    return Queues(cached, pos, (jnp.int32(0), count[0], count[0] + count[1]), tuple(count))
 
 
 def _ceil_div(a, b):
@@ -311,8 +258,11 @@ def _sharing(state: SchedulerState, d, cap: Capacity):
     return (valid,) + first_holder(table, valid)
 
 
-def _basics(state: SchedulerState, cap: Capacity):
-    """Per-group quantities every step reads: queues, prefill progress, appends."""
+def _basics(state: SchedulerState, cap: Capacity, totals=None):
+    """Per-group quantities every step reads: queues, prefill progress, appends.
+
+    `totals` (int32[7], from an earlier call) skips the reduction that sums them up.
+    """
     alive = state.seq_alive
     n_live = alive.sum(1, dtype=jnp.int32)
     status = state.status
@@ -331,12 +281,14 @@ def _basics(state: SchedulerState, cap: Capacity):
     # One reduction for the queue sizes and the running queue's token and block needs.
     budget = state.limits.max_num_batched_tokens
     full = jnp.minimum(jnp.where(in_prefill, rest, n_live), budget + 1)
-    totals = jnp.stack([is_wait, is_run, is_swap, is_run * full, is_run * appends,
-                        is_run & in_prefill]).astype(jnp.int32).sum(1)
+    if totals is None:
+        totals = jnp.stack([is_wait, is_run, is_swap, is_run * full, is_run * appends,
+                            is_run & in_prefill, is_run & ~in_prefill & (appends > 0)]
+                           ).astype(jnp.int32).sum(1)
     return dict(n_live=n_live, is_run=is_run, is_wait=is_wait, is_swap=is_swap,
                 in_prefill=in_prefill, rest=rest, leader=leader, need_new=need_new, cow=cow,
-                appends=appends, counts=totals[:3], run_tokens=totals[3], run_appends=totals[4],
-                run_prefills=totals[5])
+                appends=appends, totals=totals, counts=totals[:3], run_tokens=totals[3],
+                run_appends=totals[4], run_prefills=totals[5], decode_appends=totals[6])
 
 
 def _derived(state: SchedulerState, cap: Capacity, basics: dict):
@@ -401,35 +353,42 @@ def schedule_impl(state: SchedulerState, now: jax.Array, cap: Capacity, steady_p
     NOTE: most steps of a serving loop only decode: nothing waits, nothing is swapped out,
     and every running group fits. Such a step takes `_steady`, which computes the same
     result as `_general` without the walks' prefix sums and the block work that cannot
-    happen. `steady_path=False` forces the general step (tests compare the two).
+    happen. `steady_path=False` forces the general step (tests compare the two). Only
+    scalars cross into the branches; each recomputes its per-group values from the state,
+    so nothing is materialized for a branch that does not run.
     """
     lim = state.limits
     now = jnp.asarray(now, jnp.float32)
-    b = _basics(state, cap)
-    q = _queues(state, b)
     free0 = num_free(state.device_ref, lim.num_device_blocks)
-    host_free0 = num_free(state.host_ref, lim.num_host_blocks)
-    general = lambda: _general(state, now, cap, _derived(state, cap, b), q, free0, host_free0)
     if not steady_path or cap.artificial_preemption:
-        return general()
+        return _general(state, now, cap, free0)
+    totals = _basics(state, cap)["totals"]
+    b = _basics(state, cap, totals)
     n_wait, n_run, n_swap = b["counts"]
-    steady = (n_wait == 0) & (n_swap == 0) & (n_run > 0) & _everyone_fits(b, lim, free0, cap)
-    appending = (b["appends"] > 0) & b["is_run"] & ~b["in_prefill"]
-    branch = jnp.where(steady, jnp.where(appending.any(), 2, 1), 0)
+    order, sorted_ = _order_is_cached(state)
+    # All of `running` decodes, or all of it prefills: it rejoins in its order (no prefix sum).
+    one_kind = (b["run_prefills"] == 0) | (b["run_prefills"] == n_run)
+    steady = ((n_wait == 0) & (n_swap == 0) & (n_run > 0) & one_kind & sorted_
+              & _everyone_fits(b, lim, free0, cap))
+    branch = jnp.where(steady, jnp.where(b["decode_appends"] > 0, 2, 1), 0)
     return lax.switch(branch, [
-        general,
-        lambda: _steady(state, now, cap, b, q, free0, host_free0, allocate=False),
-        lambda: _steady(state, now, cap, b, q, free0, host_free0, allocate=True)])
+        lambda: _general(state, now, cap, free0, totals),
+        lambda: _steady(state, now, cap, free0, totals, order, allocate=False),
+        lambda: _steady(state, now, cap, free0, totals, order, allocate=True)])
 
 
-def _steady(state, now, cap: Capacity, d, q: Queues, free0, host_free0, allocate: bool):
+def _steady(state, now, cap: Capacity, free0, totals, order, allocate: bool):
     """A step that serves every running group and nothing else (see `schedule_impl`).
 
     The admission walk runs (nothing is swapped) and admits nobody; the running walk serves
-    everyone (`_running`'s `everyone`); the swapped walk has nobody to serve. Only decode
-    slots may need blocks (`allocate`).
+    everyone (`_running`'s `everyone`); the swapped walk has nobody to serve. `running` is
+    all decodes or all prefills, so it rejoins in its own order. Only decode slots may need
+    blocks (`allocate`). `order` is the cached queue order, still sorted.
     """
     lim = state.limits
+    d = _basics(state, cap, totals)
+    q = _queues(state, d, order)
+    host_free0 = num_free(state.host_ref, lim.num_host_blocks)
     run, prefill = d["is_run"], d["in_prefill"]
     decode = run & ~prefill
     g = run.shape[0]
@@ -440,14 +399,9 @@ def _steady(state, now, cap: Capacity, d, q: Queues, free0, host_free0, allocate
         blk, pairs, num_copy = placement.append_slots(blk, pairs, d, decode, lim.num_device_blocks)
         free_dev = num_free(blk.device_ref, lim.num_device_blocks)
     none = jnp.zeros((g,), bool)
-    n_run, n_prefill = q.count[1], d["run_prefills"]
-
-    def by_position():      # decodes and prefills of `running`: one of them is all of it
-        return jnp.where(run, state.tail_key + q.pos - q.start[1], state.queue_key), state.tail_key + n_run
-
-    queue_key, tail_key = lax.cond(
-        (n_prefill == 0) | (n_prefill == n_run), by_position,
-        lambda: _requeue(q, state.queue_key, state.tail_key, [none, decode, run & prefill, none, none]))
+    # `running` rejoins its own tail in walk order: all decodes, or all prefills (SPEC B8).
+    queue_key = jnp.where(run, state.tail_key + q.pos - q.start[1], state.queue_key)
+    tail_key = state.tail_key + q.count[1]
     new_state = state.replace(
         queue_key=queue_key, walk_order=q.order, num_blocks=blk.num_blocks,
         block_table=blk.block_table, device_ref=blk.device_ref, tail_key=tail_key,
@@ -456,7 +410,7 @@ def _steady(state, now, cap: Capacity, d, q: Queues, free0, host_free0, allocate
                                       state.last_prompt_latency))
     chunk = jnp.where(prefill, d["rest"], 1)
     zero = jnp.zeros((g,), jnp.int32)
-    out = SchedulerOutput(
+    out = SchedulerOutput.pack(
         slots=jnp.stack([run, jnp.where(run, chunk, 0), run & prefill,
                          jnp.where(run, d["n_live"], 0), zero, zero, none, none]).astype(jnp.int32),
         pairs=pairs,
@@ -464,9 +418,12 @@ def _steady(state, now, cap: Capacity, d, q: Queues, free0, host_free0, allocate
     return new_state, out
 
 
-def _general(state, now, cap: Capacity, d, q: Queues, free0, host_free0):
+def _general(state, now, cap: Capacity, free0, totals=None):
     """Any step: the three walks, preemption, block placement, ignored groups, requeue."""
     lim = state.limits
+    d = _derived(state, cap, _basics(state, cap, totals))
+    q = _queues(state, d)
+    host_free0 = num_free(state.host_ref, lim.num_host_blocks)
     g = state.status.shape[0]
     any_wait, any_run, any_swap = (c > 0 for c in d["counts"])
     admission_runs = jnp.asarray(True) if cap.enable_chunked_prefill else ~any_swap
@@ -548,7 +505,7 @@ def _general(state, now, cap: Capacity, d, q: Queues, free0, host_free0):
     swp_chunk = jnp.where(prefill, swp.chunk, 1)      # a decode reports 1 token
     chunk = jnp.where(adm.served, adm.chunk, jnp.where(swp.served, swp_chunk, run.chunk))
     is_prefill = adm.served | ((swp.served | run.served) & prefill)
-    out = SchedulerOutput(
+    out = SchedulerOutput.pack(
         slots=jnp.stack([scheduled, jnp.where(scheduled, chunk, 0), is_prefill & scheduled,
                          jnp.where(scheduled, d["n_live"], 0),
                          jnp.where(v.recompute, 1, jnp.where(v.swap, 2, 0)),

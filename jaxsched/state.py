@@ -1,4 +1,4 @@
-"""The scheduler state: one frozen pytree of a few packed, fixed-shape int32 arrays.
+"""The scheduler state: one frozen pytree of three flat int32 arrays, plus the step output.
 
 Shapes use G = num_slots, S = max_seqs_per_group, M = max_blocks_per_seq,
 D = num_device_blocks + 1 and H = num_host_blocks + 1 (index 0 of each pool is the null
@@ -7,20 +7,23 @@ to `free_finished`; its `status` says which queue holds it, so a request is in e
 state by construction. Queue order is a key per slot: `running` and `swapped` walk in
 (arrival_time, queue_key) order, `waiting` in queue_key order (SPEC A2).
 
-Storage is packed because every array that crosses a jitted call costs microseconds on
-XLA's CPU backend (STYLE.md): five leaves instead of thirty-eight. Every field keeps its
-name as a read-only property and `state.replace(field=...)` writes it back:
+Storage is three flat int32 arrays because every array that crosses a jitted call costs
+microseconds on XLA's CPU backend (STYLE.md), and every buffer a step writes is one more
+kernel: the state crosses as three arrays instead of thirty-eight, and a step writes each
+with one concatenation. Every field keeps its name as a read-only property (a static slice,
+free inside jit) and `state.replace(field=...)` writes fields back:
 
-    groups:  int32[NUM_GROUP_FIELDS, G]      per-group fields, one row each (GROUP_FIELDS)
-    seqs:    int32[NUM_SEQ_FIELDS, G, S]     per-sequence fields (SEQ_FIELDS)
-    tables:  int32[2, G, S, M]               block_table, host_table
-    pools:   int32[D + H]                    device_ref, then host_ref
-    scalars: int32[NUM_SCALARS]              step-level scalars and the limits (SCALAR_FIELDS)
+    data: (int32[N0], int32[N1], int32[N2])  LEAVES: the fields of FIELDS in order, each
+                       flattened, then block_table and host_table, then device_ref and host_ref
+    dims: (G, S, M, D, H), static (pytree aux data)
 
 Floats are stored bit-cast (exact), bools as 0/1. Properties index from the end, so they
 also work on states stacked along leading axes (vmap).
 """
 from __future__ import annotations
+
+import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -68,31 +71,47 @@ class Limits:
     block_size: jax.Array
 
 
-# Field layout. `walk_order` is the scheduler's cache of the last queue order (a permutation
-# of slots); schedule checks it and re-sorts when it is stale, so nobody else maintains it.
-GROUP_FIELDS = ("status", "finish_reason", "ignore_reason", "arrival_time", "queue_key",
-                "request_index", "prompt_len", "n", "max_tokens", "forked", "prefill_done",
-                "prefill_total", "num_preemptions", "walk_order")
-SEQ_FIELDS = ("seq_alive", "seq_finish_reason", "num_tokens", "num_blocks")
-TABLE_FIELDS = ("block_table", "host_table")
-POOL_FIELDS = ("device_ref", "host_ref")
+# The layout: (name, shape in terms of the dims) in storage order. Fields a steady decode
+# step rewrites sit together, so `replace` copies the rest in a few long slices.
+# `walk_order` is the scheduler's cache of the last queue order (a permutation of slots);
+# schedule checks it and re-sorts when it is stale, so nobody else maintains it.
 LIMIT_FIELDS = tuple(Limits.__dataclass_fields__)
-# (name, width) in order; rng is a raw uint32[2] PRNG key.
-SCALAR_LAYOUT = (("tail_key", 1), ("front_key", 1), ("step", 1), ("prev_time", 1),
-                 ("last_prompt_latency", 1), ("prev_admitted", 1), ("rng", 2),
-                 ("artificial_count", 1)) + tuple((f, 1) for f in LIMIT_FIELDS)
-SCALAR_FIELDS = tuple(name for name, _ in SCALAR_LAYOUT)
-_SCALAR_AT = {}
-_offset = 0
-for _name, _width in SCALAR_LAYOUT:
-    _SCALAR_AT[_name] = (_offset, _width)
-    _offset += _width
-NUM_SCALARS = _offset
-NUM_GROUP_FIELDS, NUM_SEQ_FIELDS = len(GROUP_FIELDS), len(SEQ_FIELDS)
+FIELDS = (
+    ("queue_key", "G"), ("walk_order", "G"), ("tail_key", ""), ("step", ""), ("prev_time", ""),
+    ("last_prompt_latency", ""), ("prev_admitted", ""),
+    ("status", "G"), ("finish_reason", "G"), ("ignore_reason", "G"), ("arrival_time", "G"),
+    ("request_index", "G"), ("prompt_len", "G"), ("n", "G"), ("max_tokens", "G"),
+    ("forked", "G"), ("prefill_done", "G"), ("prefill_total", "G"), ("num_preemptions", "G"),
+    ("front_key", ""), ("rng", "2"), ("artificial_count", ""),
+) + tuple((f, "") for f in LIMIT_FIELDS) + (
+    ("seq_alive", "GS"), ("seq_finish_reason", "GS"), ("num_tokens", "GS"), ("num_blocks", "GS"),
+    ("block_table", "GSM"), ("host_table", "GSM"), ("device_ref", "D"), ("host_ref", "H"),
+)
+# Which leaf holds each field: the tables and the pools have leaves of their own.
+# NOTE: XLA:CPU splits a kernel that writes more than ~256 KiB across its thread pool, and
+# on 2 shared cores waiting for the other thread costs far more than the copy; three leaves
+# keep each one's rewrite under that at 1024 slots of 16-block tables.
+LEAVES = ("fields", "tables", "pools")
+_LEAF_OF = {"block_table": 1, "host_table": 1, "device_ref": 2, "host_ref": 2}
+FIELD_NAMES = tuple(name for name, _ in FIELDS)
 
 _FLOATS = {"arrival_time", "prev_time", "last_prompt_latency", "delay_factor"}
 _BOOLS = {"forked", "seq_alive", "prev_admitted"}
 _UINTS = {"rng"}
+
+
+@functools.lru_cache(maxsize=None)
+def layout(dims: tuple) -> dict:
+    """name -> (leaf, offset, shape) for dims (G, S, M, D, H); plus "sizes" of the leaves."""
+    sizes = dict(zip("GSMDH", dims), **{"2": 2})
+    out, offsets = {}, [0] * len(LEAVES)
+    for name, spec in FIELDS:
+        shape = tuple(sizes[c] for c in spec)
+        leaf = _LEAF_OF.get(name, 0)
+        out[name] = (leaf, offsets[leaf], shape)
+        offsets[leaf] += math.prod(shape)
+    out["sizes"] = tuple(offsets)
+    return out
 
 
 def encode(name: str, value) -> jax.Array:
@@ -115,16 +134,11 @@ def decode(name: str, stored: jax.Array) -> jax.Array:
     return stored
 
 
-def _row(leaf: jax.Array, i: int, trailing: int) -> jax.Array:
-    """Row i of a field-major leaf whose rows have `trailing` axes (leading axes kept)."""
-    return leaf[(..., i) + (slice(None),) * trailing]
-
-
 @jax.tree_util.register_pytree_node_class
 class SchedulerState:
     """Everything the scheduler knows. No Python containers: the tree never changes shape.
 
-    Packed leaves: `groups`, `seqs`, `tables`, `pools`, `scalars` (see the module doc).
+    Leaves: `data`, three flat arrays (see the module doc); `dims` = (G, S, M, D, H) is static.
     Named fields, all read-only properties (write with `replace`):
       status: int32[G]            EMPTY / WAITING / RUNNING / SWAPPED / FINISHED.
       finish_reason: int32[G]     reason once FINISHED (LENGTH_CAPPED, STOPPED, IGNORED, ABORTED).
@@ -157,19 +171,18 @@ class SchedulerState:
       artificial_count: int32[]   forced failures left.
       limits: Limits
     """
-    __slots__ = ("groups", "seqs", "tables", "pools", "scalars", "pool_split")
+    __slots__ = ("data", "dims")
 
-    def __init__(self, groups, seqs, tables, pools, scalars, pool_split: int):
+    def __init__(self, data, dims: tuple):
         # No checks here: jax rebuilds pytrees with placeholder leaves.
-        self.groups, self.seqs, self.tables, self.pools, self.scalars = groups, seqs, tables, pools, scalars
-        self.pool_split = pool_split          # D, the device pool's length (static)
+        self.data, self.dims = data, dims
 
     def tree_flatten(self):
-        return (self.groups, self.seqs, self.tables, self.pools, self.scalars), self.pool_split
+        return tuple(self.data), self.dims
 
     @classmethod
-    def tree_unflatten(cls, pool_split, leaves):
-        return cls(*leaves, pool_split)
+    def tree_unflatten(cls, dims, leaves):
+        return cls(tuple(leaves), dims)
 
     @classmethod
     def from_fields(cls, **fields) -> SchedulerState:
@@ -179,29 +192,18 @@ class SchedulerState:
         fields.update({f: getattr(limits, f) for f in LIMIT_FIELDS})
         g = fields["status"].shape[-1]
         fields.setdefault("walk_order", jnp.arange(g, dtype=jnp.int32))
-        rows = lambda names: [encode(n, fields[n]) for n in names]
-        scalars = [encode(n, fields[n]).reshape(-1) for n in SCALAR_FIELDS]
-        return cls(groups=jnp.stack(rows(GROUP_FIELDS)), seqs=jnp.stack(rows(SEQ_FIELDS)),
-                   tables=jnp.stack(rows(TABLE_FIELDS)),
-                   pools=jnp.concatenate(rows(POOL_FIELDS)), scalars=jnp.concatenate(scalars),
-                   pool_split=int(fields["device_ref"].shape[-1]))
+        dims = (g, fields["seq_alive"].shape[-1], fields["block_table"].shape[-1],
+                fields["device_ref"].shape[-1], fields["host_ref"].shape[-1])
+        lay = layout(dims)
+        data = tuple(jnp.concatenate([encode(n, fields[n]).reshape(-1) for n in FIELD_NAMES
+                                      if lay[n][0] == leaf]) for leaf in range(len(LEAVES)))
+        return cls(data, dims)
 
     def stored(self, name: str) -> jax.Array:
         """A field as stored (int32), without decoding."""
-        if name in _GROUP_AT:
-            return _row(self.groups, _GROUP_AT[name], 1)
-        if name in _SEQ_AT:
-            return _row(self.seqs, _SEQ_AT[name], 2)
-        if name in _TABLE_AT:
-            return _row(self.tables, _TABLE_AT[name], 3)
-        if name == "device_ref":
-            return self.pools[..., :self.pool_split]
-        if name == "host_ref":
-            return self.pools[..., self.pool_split:]
-        offset, width = _SCALAR_AT[name]
-        if width == 1:
-            return self.scalars[..., offset]
-        return self.scalars[..., offset:offset + width]
+        leaf, offset, shape = layout(self.dims)[name]
+        data = self.data[leaf]
+        return data[..., offset:offset + math.prod(shape)].reshape(data.shape[:-1] + shape)
 
     def get(self, name: str) -> jax.Array:
         return decode(name, self.stored(name))
@@ -211,43 +213,45 @@ class SchedulerState:
         return Limits(**{f: self.get(f) for f in LIMIT_FIELDS})
 
     def replace(self, **fields) -> SchedulerState:
-        """A copy with the named fields (or whole packed leaves) replaced."""
+        """A copy with the named fields (or the leaves, `data`) replaced: one concatenation
+        per leaf that changes."""
         if "limits" in fields:
             limits = fields.pop("limits")
             fields.update({f: getattr(limits, f) for f in LIMIT_FIELDS})
-        leaves = {k: fields.pop(k) for k in ("groups", "seqs", "tables", "pools", "scalars")
-                  if k in fields}
-        unknown = set(fields) - _ALL_FIELDS
+        data = tuple(fields.pop("data", self.data))
+        unknown = set(fields) - set(FIELD_NAMES)
         if unknown:
             raise TypeError(f"SchedulerState.replace: unknown fields {sorted(unknown)}")
-        new = SchedulerState(leaves.get("groups", self.groups), leaves.get("seqs", self.seqs),
-                             leaves.get("tables", self.tables), leaves.get("pools", self.pools),
-                             leaves.get("scalars", self.scalars), self.pool_split)
-        if not fields:
-            return new
-
-        def value(name):
-            cur = new.stored(name)
-            return jnp.broadcast_to(encode(name, fields[name]), cur.shape) if name in fields else cur
-
-        for leaf, names, axis in (("groups", GROUP_FIELDS, -2), ("seqs", SEQ_FIELDS, -3),
-                                  ("tables", TABLE_FIELDS, -4)):
-            if any(n in fields for n in names):
-                setattr(new, leaf, jnp.stack([value(n) for n in names], axis=axis))
-        if any(n in fields for n in POOL_FIELDS):
-            new.pools = jnp.concatenate([value(n) for n in POOL_FIELDS], axis=-1)
-        if any(n in fields for n in SCALAR_FIELDS):
-            parts = [value(n) if _SCALAR_AT[n][1] > 1 else value(n)[..., None] for n in SCALAR_FIELDS]
-            new.scalars = jnp.concatenate(parts, axis=-1)
-        return new
+        lay = layout(self.dims)
+        new = list(data)
+        for leaf in {lay[n][0] for n in fields}:
+            old, lead = data[leaf], data[leaf].shape[:-1]
+            parts, keep = [], None        # keep: (start, end) of a run of unchanged fields
+            for name in FIELD_NAMES:
+                at, offset, shape = lay[name]
+                if at != leaf:
+                    continue
+                size = math.prod(shape)
+                if name not in fields:
+                    keep = (keep[0], offset + size) if keep else (offset, offset + size)
+                    continue
+                if keep:
+                    parts.append(old[..., keep[0]:keep[1]])
+                    keep = None
+                value = jnp.broadcast_to(encode(name, fields[name]), lead + shape)
+                parts.append(value.reshape(lead + (size,)))
+            if keep:
+                parts.append(old[..., keep[0]:keep[1]])
+            new[leaf] = jnp.concatenate(parts, axis=-1)
+        return SchedulerState(tuple(new), self.dims)
 
     def as_dict(self) -> dict:
         """Every named field, decoded (for debugging and tests)."""
-        return {n: self.get(n) for n in _ALL_FIELDS - set(LIMIT_FIELDS)} | {"limits": self.limits}
+        names = [n for n in FIELD_NAMES if n not in LIMIT_FIELDS]
+        return {n: self.get(n) for n in names} | {"limits": self.limits}
 
     def __repr__(self):
-        shapes = ", ".join(f"{k}={getattr(self, k).shape}" for k in ("groups", "seqs", "tables", "pools", "scalars"))
-        return f"SchedulerState({shapes})"
+        return f"SchedulerState(data={[x.shape for x in self.data]}, dims={self.dims})"
 
     @property
     def num_live_seqs(self) -> jax.Array:
@@ -260,13 +264,91 @@ class SchedulerState:
         return jnp.where(self.forked, self.num_live_seqs, self.n)
 
 
-_GROUP_AT = {n: i for i, n in enumerate(GROUP_FIELDS)}
-_SEQ_AT = {n: i for i, n in enumerate(SEQ_FIELDS)}
-_TABLE_AT = {n: i for i, n in enumerate(TABLE_FIELDS)}
-_ALL_FIELDS = set(GROUP_FIELDS + SEQ_FIELDS + TABLE_FIELDS + POOL_FIELDS + SCALAR_FIELDS)
-for _name in _ALL_FIELDS - set(LIMIT_FIELDS):
-    setattr(SchedulerState, _name, property(lambda self, _n=_name: self.get(_n),
-                                            doc=f"The `{_name}` field (see the class doc)."))
+for _name in FIELD_NAMES:
+    if _name not in LIMIT_FIELDS:
+        setattr(SchedulerState, _name, property(lambda self, _n=_name: self.get(_n),
+                                                doc=f"The `{_name}` field (see the class doc)."))
+
+
+OUTPUT_FIELDS = ("scheduled", "num_scheduled_tokens", "is_prefill", "num_seqs", "preempted",
+                 "preempt_order", "swapped_in", "ignored", "blocks_to_swap_out", "num_swap_out",
+                 "blocks_to_swap_in", "num_swap_in", "blocks_to_copy", "num_copy",
+                 "num_free_device_blocks", "num_free_host_blocks")
+SLOT_OUTPUTS = OUTPUT_FIELDS[:8]
+PAIR_OUTPUTS = ("blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy")
+COUNT_OUTPUTS = ("num_swap_out", "num_swap_in", "num_copy", "num_free_device_blocks",
+                 "num_free_host_blocks")
+_BOOL_OUTPUTS = {"scheduled", "is_prefill", "swapped_in", "ignored"}
+
+
+@jax.tree_util.register_pytree_node_class
+class SchedulerOutput:
+    """What one step decided, per slot, plus the block moves for the cache kernels.
+
+    One flat int32 array, like the state: `data` = [slots | pairs | counts] with
+      slots:  int32[8, G]     one row per field of SLOT_OUTPUTS
+      pairs:  int32[3, P, 2]  blocks_to_swap_out, blocks_to_swap_in, blocks_to_copy;
+                              P = placement.pair_rows(cap), the most pairs a step can make
+      counts: int32[5]        COUNT_OUTPUTS
+    and `dims` = (G, P) static. Named fields (properties; `_fields` and `_asdict()` as on a
+    NamedTuple): scheduled: bool[G]; num_scheduled_tokens: int32[G] prefill chunk, or 1 for
+    a decode; is_prefill: bool[G] the chunk is part of the prompt; num_seqs: int32[G]
+    sequences running in this step; preempted: int32[G] 0 no, 1 recompute, 2 swap;
+    preempt_order: int32[G] order of preemption within the step; swapped_in, ignored:
+    bool[G]; blocks_to_swap_out (device, host), blocks_to_swap_in (host, device),
+    blocks_to_copy (src, dst): int32[P, 2]; num_swap_out, num_swap_in, num_copy,
+    num_free_device_blocks, num_free_host_blocks: int32[]. Pair lists are padded with
+    out-of-range ids (the pool sizes), so the kernels can scatter with mode="drop";
+    `num_*` says how many pairs are real.
+    """
+    __slots__ = ("data", "dims")
+    _fields = OUTPUT_FIELDS
+
+    def __init__(self, data, dims: tuple):
+        self.data, self.dims = data, dims
+
+    def tree_flatten(self):
+        return (self.data,), self.dims
+
+    @classmethod
+    def tree_unflatten(cls, dims, leaves):
+        return cls(leaves[0], dims)
+
+    @classmethod
+    def pack(cls, slots: jax.Array, pairs: jax.Array, counts: jax.Array) -> SchedulerOutput:
+        """From slots int32[8, G], pairs int32[3, P, 2] and counts int32[5]."""
+        g, p = slots.shape[-1], pairs.shape[-2]
+        parts = [slots.astype(jnp.int32), pairs.astype(jnp.int32), counts.astype(jnp.int32)]
+        return cls(jnp.concatenate([x.reshape(-1) for x in parts]), (g, p))
+
+    @classmethod
+    def from_fields(cls, **f) -> SchedulerOutput:
+        return cls.pack(jnp.stack([jnp.asarray(f[n]).astype(jnp.int32) for n in SLOT_OUTPUTS]),
+                        jnp.stack([f[n] for n in PAIR_OUTPUTS]),
+                        jnp.stack([jnp.asarray(f[n], jnp.int32) for n in COUNT_OUTPUTS]))
+
+    def get(self, name: str) -> jax.Array:
+        g, p = self.dims
+        lead = self.data.shape[:-1]
+        if name in SLOT_OUTPUTS:
+            i = SLOT_OUTPUTS.index(name) * g
+            row = self.data[..., i:i + g]
+            return row != 0 if name in _BOOL_OUTPUTS else row
+        if name in PAIR_OUTPUTS:
+            i = 8 * g + PAIR_OUTPUTS.index(name) * 2 * p
+            return self.data[..., i:i + 2 * p].reshape(lead + (p, 2))
+        i = 8 * g + 6 * p + COUNT_OUTPUTS.index(name)
+        return self.data[..., i]
+
+    def _asdict(self) -> dict:
+        return {n: self.get(n) for n in OUTPUT_FIELDS}
+
+    def __repr__(self):
+        return f"SchedulerOutput(data={self.data.shape}, dims={self.dims})"
+
+
+for _name in OUTPUT_FIELDS:
+    setattr(SchedulerOutput, _name, property(lambda self, _n=_name: self.get(_n)))
 
 
 def make_limits(config: SchedulerConfig) -> Limits:

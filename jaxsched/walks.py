@@ -16,7 +16,7 @@ from jax import lax
 
 from jaxsched.block_pool import cummin, cumsum, exclusive_cumsum, first_true
 
-BIG = jnp.int32(2**30)
+BIG = 2**30          # a Python int: importing jaxsched must not start a JAX backend
 
 
 class RunningWalk(NamedTuple):
