@@ -6,10 +6,12 @@ admitted, the running walk, then, if nothing was preempted, the swapped walk. Ch
 prefix computation over its queue in priority order (walks.py); the state changes they imply
 (preemption, swap-in, allocation, copy-on-write) are applied afterwards as masked updates.
 
-Speed (DESIGN-walks.md, STYLE.md): the three queues share one slot order, cached in the
-state and re-sorted only when a check finds it stale; walks and block work that a step does
-not need (an empty queue, no victim, no block to hand out) are skipped by `lax.cond`; the
-state and the output cross the jit boundary as a few packed arrays.
+Speed (DESIGN-walks.md, STYLE.md; benchmarks/schedule_overhead.py): a step that only
+decodes `running` takes `_steady`, a handful of kernels; any other takes `_general`, the
+walks in full. The three queues share one slot order, cached in the state and re-sorted
+only when a check finds it stale; walks and block work that a step does not need (an empty
+queue, no victim, no block to hand out) are skipped by `lax.cond`; the state and the
+output cross the jit boundary as one to three flat arrays.
 """
 from __future__ import annotations
 
@@ -26,73 +28,8 @@ from jaxsched.placement import Blocks, no_pairs
 from jaxsched.preemption import free_victims, no_victims, pick_modes, preempted_fields
 from jaxsched.state import (FINISHED, IGNORE_NEVER_FITS, IGNORE_PROMPT_TOO_LONG, IGNORED,
                             RUNNING, SWAPPED, WAITING, SchedulerOutput, SchedulerState)
-from jaxsched.walks import PrefixWalk, RunningInputs, prefix_walk, running_walk, running_walk_loop
-
-class Queues(NamedTuple):
-    """The three queues in one slot order: waiting, running, swapped, then idle slots.
-
-    Waiting is in queue_key order, running and swapped in (arrival_time, queue_key) order;
-    `pos` inverts `order`. Queue q occupies order[start[q] : start[q] + count[q]].
-    """
-    order: jax.Array     # int32[G]
-    pos: jax.Array       # int32[G]
-    start: tuple         # int32[] x 3
-    count: tuple         # int32[] x 3
-
-    def walk(self, q: int) -> jax.Array:
-        """Slots of queue q in walk order, padded past its count with later slots."""
-        g = self.order.shape[0]
-        return jnp.take(self.order, jnp.clip(self.start[q] + jnp.arange(g), 0, g - 1))
-
-    def to_slots(self, q: int, member: jax.Array, *values_w) -> list:
-        """Walk-ordered values of queue q back in slot space (zero outside the queue)."""
-        g = self.order.shape[0]
-        at = jnp.clip(self.pos - self.start[q], 0, g - 1)
-        return [jnp.where(member, jnp.take(v, at), jnp.zeros((), v.dtype)) for v in values_w]
-
-
-def _order_is_cached(state: SchedulerState):
-    """(cached order, is it still sorted?) The order the previous step stored in the state
-    is the queue order unless statuses, arrivals or keys changed it since (see `_queues`)."""
-    g = state.status.shape[0]
-    cached = jnp.clip(state.walk_order, 0, g - 1)
-    ok = []
-    # NOTE: checked in chunks of 512 pairs: as one kernel at 1024 slots, XLA's cost model
-    # splits it across threads, and on 2 shared cores the hand-off costs more (up to 100 us)
-    # than the whole check.
-    for start in range(0, g - 1, 512):
-        at = cached[start:min(g, start + 513)]
-        keys = _sort_keys(state, at)
-        # Strictly increasing tuples: sorted, and (slots being distinct) a permutation.
-        less = keys[-1][:-1] < keys[-1][1:]
-        for k in reversed(keys[:-1]):
-            less = (k[:-1] < k[1:]) | ((k[:-1] == k[1:]) & less)
-        ok.append(less.all())
-    return cached, jnp.stack(ok).all() if ok else jnp.asarray(True)
-
-
-def _sort_keys(state: SchedulerState, slots):
-    """(queue, arrival for running/swapped, queue_key, slot) of the given slots."""
-    status = jnp.take(state.status, slots)
-    queue = jnp.where(status == WAITING, 0, jnp.where(status == RUNNING, 1,
-                                                      jnp.where(status == SWAPPED, 2, 3)))
-    arrival = jnp.where((queue == 1) | (queue == 2), jnp.take(state.arrival_time, slots), 0.0)
-    return queue, arrival, jnp.where(queue < 3, jnp.take(state.queue_key, slots), 0), slots
-
-
-def _queues(state: SchedulerState, d, cached=None) -> Queues:
-    """Sort slots by (queue, arrival for running/swapped, queue_key, slot), unless the
-    order cached in the state still is sorted (the common case: a steady step keeps it).
-    `cached` is an order known to be sorted."""
-    g = d["is_run"].shape[0]
-    idx = jnp.arange(g, dtype=jnp.int32)
-    if cached is None:
-        cached, fresh = _order_is_cached(state)
-        cached = lax.cond(fresh, lambda: cached,
-                          lambda: lax.sort(_sort_keys(state, idx), num_keys=4)[-1])
-    pos = jnp.zeros((g,), jnp.int32).at[cached].set(idx)
-    count = d["counts"]
-    return Queues(cached, pos, (jnp.int32(0), count[0], count[0] + count[1]), tuple(count))
+from jaxsched.walks import (PrefixWalk, Queues, RunningInputs, order_is_cached, prefix_walk,
+                            queues, requeue, running_walk, running_walk_loop)
 
 
 def _ceil_div(a, b):
@@ -365,7 +302,7 @@ def schedule_impl(state: SchedulerState, now: jax.Array, cap: Capacity, steady_p
     totals = _basics(state, cap)["totals"]
     b = _basics(state, cap, totals)
     n_wait, n_run, n_swap = b["counts"]
-    order, sorted_ = _order_is_cached(state)
+    order, sorted_ = order_is_cached(state)
     # All of `running` decodes, or all of it prefills: it rejoins in its order (no prefix sum).
     one_kind = (b["run_prefills"] == 0) | (b["run_prefills"] == n_run)
     steady = ((n_wait == 0) & (n_swap == 0) & (n_run > 0) & one_kind & sorted_
@@ -387,7 +324,7 @@ def _steady(state, now, cap: Capacity, free0, totals, order, allocate: bool):
     """
     lim = state.limits
     d = _basics(state, cap, totals)
-    q = _queues(state, d, order)
+    q = queues(state, d, order)
     host_free0 = num_free(state.host_ref, lim.num_host_blocks)
     run, prefill = d["is_run"], d["in_prefill"]
     decode = run & ~prefill
@@ -397,7 +334,8 @@ def _steady(state, now, cap: Capacity, free0, totals, order, allocate: bool):
     num_copy, free_dev = jnp.int32(0), free0
     if allocate:
         blk, pairs, num_copy = placement.append_slots(blk, pairs, d, decode, lim.num_device_blocks)
-        free_dev = num_free(blk.device_ref, lim.num_device_blocks)
+        # Each append takes a free block (a copied-from shared block keeps a reference).
+        free_dev = free0 - d["run_appends"]
     none = jnp.zeros((g,), bool)
     # `running` rejoins its own tail in walk order: all decodes, or all prefills (SPEC B8).
     queue_key = jnp.where(run, state.tail_key + q.pos - q.start[1], state.queue_key)
@@ -422,7 +360,7 @@ def _general(state, now, cap: Capacity, free0, totals=None):
     """Any step: the three walks, preemption, block placement, ignored groups, requeue."""
     lim = state.limits
     d = _derived(state, cap, _basics(state, cap, totals))
-    q = _queues(state, d)
+    q = queues(state, d)
     host_free0 = num_free(state.host_ref, lim.num_host_blocks)
     g = state.status.shape[0]
     any_wait, any_run, any_swap = (c > 0 for c in d["counts"])
@@ -478,7 +416,7 @@ def _general(state, now, cap: Capacity, free0, totals=None):
     alive = state.seq_alive
     scheduled = adm.served | swp.served | run.served
     prefill = d["in_prefill"]
-    queue_key, tail_key = _requeue(q, fields["queue_key"], fields["tail_key"],
+    queue_key, tail_key = requeue(q, fields["queue_key"], fields["tail_key"],
                                    [adm.served, run.served & ~prefill, run.served & prefill,
                                     swp.served & ~prefill, swp.served & prefill])
     new_state = state.replace(
@@ -515,35 +453,6 @@ def _general(state, now, cap: Capacity, free0, totals=None):
         counts=jnp.stack([num_swap_out, num_swap_in, num_copy, free_dev, free_host]),
     )
     return new_state, out
-
-
-def _requeue(q: Queues, queue_key, tail_key, categories, queue_of=(0, 1, 1, 2, 2)):
-    """Tail keys, in order, for the groups that join the tail of `running` this step.
-
-    `categories` lists disjoint slot masks; category c lies inside queue `queue_of[c]`, so
-    its rank in the shared slot order is its rank in that queue's walk order. When every
-    category is empty or a whole queue (a steady decode step: all of `running`), the rank is
-    the position in the queue and no prefix sum is needed.
-    """
-    masks = jnp.stack(categories).astype(jnp.int32)              # [C, G] slot space
-    sizes = masks.sum(1)
-    offsets = [tail_key]
-    for size in sizes[:-1]:
-        offsets.append(offsets[-1] + size)
-    offset = jnp.stack(offsets)
-    whole = (sizes == 0) | (sizes == jnp.stack([q.count[i] for i in queue_of]))
-
-    def by_position():
-        start = jnp.stack([q.start[i] for i in queue_of])
-        return ((offset - start)[:, None] + q.pos[None, :]) * masks
-
-    def by_prefix_sum():
-        in_order = jnp.take(masks, q.order, axis=1)
-        rank = exclusive_cumsum(in_order, axis=1, bound=in_order.shape[1])
-        return jnp.take((offset[:, None] + rank) * in_order, q.pos, axis=1)
-
-    keys = lax.cond(whole.all(), by_position, by_prefix_sum).sum(0)
-    return jnp.where(masks.any(0), keys, queue_key), tail_key + sizes.sum()
 
 
 schedule_step = jax.jit(schedule_impl, static_argnames=("cap",))

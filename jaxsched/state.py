@@ -1,4 +1,4 @@
-"""The scheduler state: one frozen pytree of three flat int32 arrays, plus the step output.
+"""The scheduler state: one frozen pytree of one to three flat int32 arrays; the step output.
 
 Shapes use G = num_slots, S = max_seqs_per_group, M = max_blocks_per_seq,
 D = num_device_blocks + 1 and H = num_host_blocks + 1 (index 0 of each pool is the null
@@ -7,14 +7,16 @@ to `free_finished`; its `status` says which queue holds it, so a request is in e
 state by construction. Queue order is a key per slot: `running` and `swapped` walk in
 (arrival_time, queue_key) order, `waiting` in queue_key order (SPEC A2).
 
-Storage is three flat int32 arrays because every array that crosses a jitted call costs
-microseconds on XLA's CPU backend (STYLE.md), and every buffer a step writes is one more
-kernel: the state crosses as three arrays instead of thirty-eight, and a step writes each
-with one concatenation. Every field keeps its name as a read-only property (a static slice,
+Storage is one flat int32 array (three for big states) because every array that crosses a
+jitted call costs microseconds on XLA's CPU backend (STYLE.md), and every buffer a step
+writes is one more kernel: the state crosses as one to three arrays instead of thirty-eight,
+and a step writes each with one concatenation. Every field keeps its name as a read-only property (a static slice,
 free inside jit) and `state.replace(field=...)` writes fields back:
 
-    data: (int32[N0], int32[N1], int32[N2])  LEAVES: the fields of FIELDS in order, each
-                       flattened, then block_table and host_table, then device_ref and host_ref
+    data: (int32[N],)  the fields of FIELDS in order, each flattened; or, when that is more
+                       than ONE_LEAF_BYTES, (int32[N0], int32[N1], int32[N2]): the same
+                       without the tables and pools, block_table and host_table, then
+                       device_ref and host_ref
     dims: (G, S, M, D, H), static (pytree aux data)
 
 Floats are stored bit-cast (exact), bools as 0/1. Properties index from the end, so they
@@ -87,12 +89,14 @@ FIELDS = (
     ("seq_alive", "GS"), ("seq_finish_reason", "GS"), ("num_tokens", "GS"), ("num_blocks", "GS"),
     ("block_table", "GSM"), ("host_table", "GSM"), ("device_ref", "D"), ("host_ref", "H"),
 )
-# Which leaf holds each field: the tables and the pools have leaves of their own.
+# Which leaf holds each field, when the state is big enough to take three: the tables and
+# the pools get leaves of their own.
 # NOTE: XLA:CPU splits a kernel that writes more than ~256 KiB across its thread pool, and
 # on 2 shared cores waiting for the other thread costs far more than the copy; three leaves
-# keep each one's rewrite under that at 1024 slots of 16-block tables.
-LEAVES = ("fields", "tables", "pools")
+# keep each one's rewrite under that at 1024 slots of 16-block tables. A small state stays
+# one leaf: each leaf crossing a jitted call costs a few microseconds.
 _LEAF_OF = {"block_table": 1, "host_table": 1, "device_ref": 2, "host_ref": 2}
+ONE_LEAF_BYTES = 128 * 1024
 FIELD_NAMES = tuple(name for name, _ in FIELDS)
 
 _FLOATS = {"arrival_time", "prev_time", "last_prompt_latency", "delay_factor"}
@@ -104,10 +108,11 @@ _UINTS = {"rng"}
 def layout(dims: tuple) -> dict:
     """name -> (leaf, offset, shape) for dims (G, S, M, D, H); plus "sizes" of the leaves."""
     sizes = dict(zip("GSMDH", dims), **{"2": 2})
-    out, offsets = {}, [0] * len(LEAVES)
-    for name, spec in FIELDS:
-        shape = tuple(sizes[c] for c in spec)
-        leaf = _LEAF_OF.get(name, 0)
+    shapes = {name: tuple(sizes[c] for c in spec) for name, spec in FIELDS}
+    split = 4 * sum(math.prod(shape) for shape in shapes.values()) > ONE_LEAF_BYTES
+    out, offsets = {}, [0] * (3 if split else 1)
+    for name, shape in shapes.items():
+        leaf = _LEAF_OF.get(name, 0) if split else 0
         out[name] = (leaf, offsets[leaf], shape)
         offsets[leaf] += math.prod(shape)
     out["sizes"] = tuple(offsets)
@@ -138,7 +143,8 @@ def decode(name: str, stored: jax.Array) -> jax.Array:
 class SchedulerState:
     """Everything the scheduler knows. No Python containers: the tree never changes shape.
 
-    Leaves: `data`, three flat arrays (see the module doc); `dims` = (G, S, M, D, H) is static.
+    Leaves: `data`, one to three flat arrays (see the module doc); `dims` = (G, S, M, D, H)
+    is static.
     Named fields, all read-only properties (write with `replace`):
       status: int32[G]            EMPTY / WAITING / RUNNING / SWAPPED / FINISHED.
       finish_reason: int32[G]     reason once FINISHED (LENGTH_CAPPED, STOPPED, IGNORED, ABORTED).
@@ -196,7 +202,7 @@ class SchedulerState:
                 fields["device_ref"].shape[-1], fields["host_ref"].shape[-1])
         lay = layout(dims)
         data = tuple(jnp.concatenate([encode(n, fields[n]).reshape(-1) for n in FIELD_NAMES
-                                      if lay[n][0] == leaf]) for leaf in range(len(LEAVES)))
+                                      if lay[n][0] == leaf]) for leaf in range(len(lay["sizes"])))
         return cls(data, dims)
 
     def stored(self, name: str) -> jax.Array:

@@ -1,4 +1,5 @@
-"""vLLM's three queue walks as prefix computations (see DESIGN-walks.md).
+"""vLLM's three queue walks as prefix computations (see DESIGN-walks.md), and the queues'
+shared slot order they walk in.
 
 Every input is in walk order (index 0 is the head of the queue) and padded past `m`, the
 number of real groups. A walk's outcome is a prefix of the queue (who is served), plus for
@@ -15,6 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxsched.block_pool import cummin, cumsum, exclusive_cumsum, first_true
+from jaxsched.state import RUNNING, SWAPPED, WAITING, SchedulerState
 
 BIG = 2**30          # a Python int: importing jaxsched must not start a JAX backend
 
@@ -159,3 +161,99 @@ def prefix_walk(skip, test_need, consume, tokens, chunkable, seqs, m, free, wate
     stop = first_true(cand & ~ok, m)
     before = pos < stop
     return PrefixWalk(served=cand & before, skipped=real & skip & before, chunk=chunk)
+
+
+class Queues(NamedTuple):
+    """The three queues in one slot order: waiting, running, swapped, then idle slots.
+
+    Waiting is in queue_key order, running and swapped in (arrival_time, queue_key) order;
+    `pos` inverts `order`. Queue q occupies order[start[q] : start[q] + count[q]].
+    """
+    order: jax.Array     # int32[G]
+    pos: jax.Array       # int32[G]
+    start: tuple         # int32[] x 3
+    count: tuple         # int32[] x 3
+
+    def walk(self, q: int) -> jax.Array:
+        """Slots of queue q in walk order, padded past its count with later slots."""
+        g = self.order.shape[0]
+        return jnp.take(self.order, jnp.clip(self.start[q] + jnp.arange(g), 0, g - 1))
+
+    def to_slots(self, q: int, member: jax.Array, *values_w) -> list:
+        """Walk-ordered values of queue q back in slot space (zero outside the queue)."""
+        g = self.order.shape[0]
+        at = jnp.clip(self.pos - self.start[q], 0, g - 1)
+        return [jnp.where(member, jnp.take(v, at), jnp.zeros((), v.dtype)) for v in values_w]
+
+
+def order_is_cached(state: SchedulerState):
+    """(cached order, is it still sorted?) The order the previous step stored in the state
+    is the queue order unless statuses, arrivals or keys changed it since (see `queues`)."""
+    g = state.status.shape[0]
+    cached = jnp.clip(state.walk_order, 0, g - 1)
+    ok = []
+    # NOTE: checked in chunks of 512 pairs: as one kernel at 1024 slots, XLA's cost model
+    # splits it across threads, and on 2 shared cores the hand-off costs more (up to 100 us)
+    # than the whole check.
+    for start in range(0, g - 1, 512):
+        at = cached[start:min(g, start + 513)]
+        keys = _sort_keys(state, at)
+        # Strictly increasing tuples: sorted, and (slots being distinct) a permutation.
+        less = keys[-1][:-1] < keys[-1][1:]
+        for k in reversed(keys[:-1]):
+            less = (k[:-1] < k[1:]) | ((k[:-1] == k[1:]) & less)
+        ok.append(less.all())
+    return cached, jnp.stack(ok).all() if ok else jnp.asarray(True)
+
+
+def _sort_keys(state: SchedulerState, slots):
+    """(queue, arrival for running/swapped, queue_key, slot) of the given slots."""
+    status = jnp.take(state.status, slots)
+    queue = jnp.where(status == WAITING, 0, jnp.where(status == RUNNING, 1,
+                                                      jnp.where(status == SWAPPED, 2, 3)))
+    arrival = jnp.where((queue == 1) | (queue == 2), jnp.take(state.arrival_time, slots), 0.0)
+    return queue, arrival, jnp.where(queue < 3, jnp.take(state.queue_key, slots), 0), slots
+
+
+def queues(state: SchedulerState, d, cached=None) -> Queues:
+    """Sort slots by (queue, arrival for running/swapped, queue_key, slot), unless the
+    order cached in the state still is sorted (the common case: a steady step keeps it).
+    `cached` is an order known to be sorted."""
+    g = d["is_run"].shape[0]
+    idx = jnp.arange(g, dtype=jnp.int32)
+    if cached is None:
+        cached, fresh = order_is_cached(state)
+        cached = lax.cond(fresh, lambda: cached,
+                          lambda: lax.sort(_sort_keys(state, idx), num_keys=4)[-1])
+    pos = jnp.zeros((g,), jnp.int32).at[cached].set(idx)
+    count = d["counts"]
+    return Queues(cached, pos, (jnp.int32(0), count[0], count[0] + count[1]), tuple(count))
+
+
+def requeue(q: Queues, queue_key, tail_key, categories, queue_of=(0, 1, 1, 2, 2)):
+    """Tail keys, in order, for the groups that join the tail of `running` this step.
+
+    `categories` lists disjoint slot masks; category c lies inside queue `queue_of[c]`, so
+    its rank in the shared slot order is its rank in that queue's walk order. When every
+    category is empty or a whole queue (a steady decode step: all of `running`), the rank is
+    the position in the queue and no prefix sum is needed.
+    """
+    masks = jnp.stack(categories).astype(jnp.int32)              # [C, G] slot space
+    sizes = masks.sum(1)
+    offsets = [tail_key]
+    for size in sizes[:-1]:
+        offsets.append(offsets[-1] + size)
+    offset = jnp.stack(offsets)
+    whole = (sizes == 0) | (sizes == jnp.stack([q.count[i] for i in queue_of]))
+
+    def by_position():
+        start = jnp.stack([q.start[i] for i in queue_of])
+        return ((offset - start)[:, None] + q.pos[None, :]) * masks
+
+    def by_prefix_sum():
+        in_order = jnp.take(masks, q.order, axis=1)
+        rank = exclusive_cumsum(in_order, axis=1, bound=in_order.shape[1])
+        return jnp.take((offset[:, None] + rank) * in_order, q.pos, axis=1)
+
+    keys = lax.cond(whole.all(), by_position, by_prefix_sum).sum(0)
+    return jnp.where(masks.any(0), keys, queue_key), tail_key + sizes.sum()
