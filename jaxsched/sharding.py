@@ -46,7 +46,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxsched import kv_cache as kc
-from models.llama import LlamaConfig, LlamaForCausalLM, hf_param_names, paged_forward
+from models.llama import LlamaConfig, LlamaForCausalLM, check_hf_tensors, paged_forward
 
 AXES = ("data", "model")
 _COLUMN = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}  # output features split
@@ -212,15 +212,7 @@ def place_hf_tensors(model_abstract_or_config, tensors: dict[str, np.ndarray], m
         model = nnx.eval_shape(lambda: LlamaForCausalLM(model_abstract_or_config, nnx.Rngs(0)))
     config, size = model.config, mesh.shape["model"]
     check_tensor_parallel(config, size)
-    expected = hf_param_names(model)
-    ignored = {"lm_head.weight"} if config.tie_word_embeddings else set()
-    given = {n for n in tensors if not n.endswith("rotary_emb.inv_freq")} - ignored
-    missing, extra = sorted(set(expected) - given), sorted(given - set(expected))
-    misshaped = [f"{n}: got {tuple(np.shape(tensors[n]))}, want {expected[n][1]}"
-                 for n in sorted(given & set(expected)) if tuple(np.shape(tensors[n])) != expected[n][1]]
-    if missing or extra or misshaped:
-        raise ValueError(f"HF tensors do not fit the model: missing={missing} unexpected={extra} "
-                         f"misshaped={misshaped}")
+    expected = check_hf_tensors(model, tensors)
     dtype = jnp.dtype(config.dtype)
     state = nnx.state(model, nnx.Param)
     flat = nnx.to_flat_state(state)

@@ -285,8 +285,8 @@ def hf_param_names(model: LlamaForCausalLM) -> dict[str, tuple[tuple, tuple[int,
     return names
 
 
-def load_hf_state_dict(model: LlamaForCausalLM, state: dict[str, np.ndarray]) -> None:
-    """Assign HF-named tensors to `model` in place (cast to the config dtype).
+def check_hf_tensors(model: LlamaForCausalLM, state: dict[str, np.ndarray]) -> dict:
+    """`hf_param_names(model)` after checking that `state` holds exactly those tensors.
 
     Raises ValueError naming every missing, unexpected and mis-shaped tensor. Ignored: rotary
     inv_freq buffers, and `lm_head.weight` when the embeddings are tied.
@@ -302,6 +302,16 @@ def load_hf_state_dict(model: LlamaForCausalLM, state: dict[str, np.ndarray]) ->
     if missing or extra or misshaped:
         raise ValueError(f"HF state dict does not fit the model: missing={missing} "
                          f"unexpected={extra} misshaped={misshaped}")
+    return expected
+
+
+def load_hf_state_dict(model: LlamaForCausalLM, state: dict[str, np.ndarray]) -> None:
+    """Assign HF-named tensors to `model` in place (cast to the config dtype).
+
+    Raises ValueError naming every missing, unexpected and mis-shaped tensor. Ignored: rotary
+    inv_freq buffers, and `lm_head.weight` when the embeddings are tied.
+    """
+    expected = check_hf_tensors(model, state)
     flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
     by_path = {path: var for path, var in flat}
     for name, (path, _, transposed) in expected.items():
