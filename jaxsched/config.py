@@ -4,8 +4,9 @@ A config splits in two. `Capacity` holds what fixes array shapes (slots, sequenc
 blocks per sequence, pool sizes, block size, the chunked-prefill switch); it is hashable and
 passed to `jax.jit` as a static argument, so one capacity compiles once. Everything else
 (`max_num_seqs`, `max_num_batched_tokens`, `max_model_len`, the watermark, `delay_factor`, the
-preemption mode, the active number of device and host blocks) is a per-run *limit* stored as
-arrays in the state, so a sweep or a differential test varies them without recompiling.
+preemption mode and its cost model, the active number of device and host blocks) is a
+per-run *limit* stored as arrays in the state, so a sweep or a differential test varies them
+without recompiling.
 """
 from __future__ import annotations
 
@@ -13,8 +14,13 @@ import dataclasses
 import math
 from typing import Optional
 
-PREEMPTION_MODES = {None: 0, "recompute": 1, "swap": 2}
-PREEMPT_AUTO, PREEMPT_RECOMPUTE, PREEMPT_SWAP = 0, 1, 2
+from jaxsched.cost_model import DEFAULT_COSTS, PreemptionCosts
+
+# Mode ids as stored in the limits. PREEMPT_DEFAULT is vLLM's default (None: recompute a
+# one-sequence group, swap a bigger one); PREEMPT_COST is "auto", the cheaper of the two by
+# the config's cost model (cost_model.py).
+PREEMPTION_MODES = {None: 0, "recompute": 1, "swap": 2, "auto": 3}
+PREEMPT_DEFAULT, PREEMPT_RECOMPUTE, PREEMPT_SWAP, PREEMPT_COST = 0, 1, 2, 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +69,10 @@ class SchedulerConfig:
       max_num_batched_tokens: most tokens in one step (a hard limit here, SPEC B3).
       max_model_len: longest sequence; longer ones finish length-capped.
       enable_chunked_prefill: SPEC A6 instead of A4.
-      preemption_mode: None (recompute for one sequence, swap for more), "recompute", "swap".
+      preemption_mode: None (recompute for one sequence, swap for more), "recompute", "swap",
+        or "auto" (per victim, whichever `preemption_costs` says is cheaper).
+      preemption_costs: the cost model of "auto" (a cost_model.PreemptionCosts; a dict or a
+        sequence of its five coefficients is converted). None: cost_model.DEFAULT_COSTS.
       delay_factor: SPEC A7.
       watermark: share of device blocks kept free at admission and swap-in.
       num_slots: request slots in the state (capacity; default 2 * max_num_seqs + 16).
@@ -82,6 +91,7 @@ class SchedulerConfig:
     max_model_len: int = 512
     enable_chunked_prefill: bool = False
     preemption_mode: Optional[str] = None
+    preemption_costs: Optional[PreemptionCosts] = None
     delay_factor: float = 0.0
     watermark: float = 0.01
     num_slots: Optional[int] = None
@@ -102,7 +112,13 @@ class SchedulerConfig:
         _require(isinstance(self.num_host_blocks, int) and self.num_host_blocks >= 0,
                  "num_host_blocks", f"must be an integer >= 0, got {self.num_host_blocks!r}")
         _require(self.preemption_mode in PREEMPTION_MODES, "preemption_mode",
-                 f"must be None, 'recompute' or 'swap', got {self.preemption_mode!r}")
+                 f"must be None, 'recompute', 'swap' or 'auto', got {self.preemption_mode!r}")
+        if self.preemption_costs is not None:
+            try:
+                costs = PreemptionCosts.coerce(self.preemption_costs)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"SchedulerConfig.preemption_costs: {e}") from None
+            object.__setattr__(self, "preemption_costs", costs)
         _require(isinstance(self.delay_factor, (int, float)) and self.delay_factor >= 0,
                  "delay_factor", f"must be >= 0, got {self.delay_factor!r}")
         _require(isinstance(self.watermark, (int, float)) and 0 <= self.watermark < 1,
@@ -132,6 +148,11 @@ class SchedulerConfig:
     @property
     def preemption_mode_id(self) -> int:
         return PREEMPTION_MODES[self.preemption_mode]
+
+    @property
+    def costs(self) -> PreemptionCosts:
+        """The cost model "auto" uses: `preemption_costs`, else the default."""
+        return self.preemption_costs or DEFAULT_COSTS
 
     def capacity(self) -> Capacity:
         blocks = self.max_blocks_per_seq or math.ceil((self.max_model_len + 1) / self.block_size)

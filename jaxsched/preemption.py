@@ -1,7 +1,7 @@
 """Preemption by RECOMPUTE and by SWAP, as transitions over a mask of victims.
 
-The running walk picks victims; this module decides each victim's mode (SPEC A5, B1) and
-applies it: recompute frees the device blocks and sends the group to the front of
+The running walk picks victims; this module decides each victim's mode (SPEC A5, B1; mode
+"auto" compares cost_model.py's two costs per victim) and applies it: recompute frees the device blocks and sends the group to the front of
 `waiting`; swap moves its unique blocks to host blocks and sends it to the tail of
 `swapped`. Arrays named `_w` are in walk order, the rest in slot space. The scheduler calls
 `preempt` under a `lax.cond`: most steps preempt nobody.
@@ -15,7 +15,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxsched.block_pool import add_refs, cumsum, free_list, mask_rank, take_ranked, write_pairs
-from jaxsched.config import PREEMPT_AUTO, PREEMPT_RECOMPUTE, PREEMPT_SWAP
+from jaxsched.config import PREEMPT_COST, PREEMPT_DEFAULT, PREEMPT_RECOMPUTE, PREEMPT_SWAP
+from jaxsched.cost_model import recompute_seconds, swap_seconds
 from jaxsched.placement import SWAP_OUT, Blocks
 from jaxsched.state import SWAPPED, WAITING
 
@@ -26,27 +27,51 @@ def reverse_exclusive_cumsum(x: jax.Array) -> jax.Array:
     return cumsum(x[::-1], bound=x.shape[0])[::-1] - x
 
 
-def choose_modes(victims_w: jax.Array, nmax_w: jax.Array, held_w: jax.Array, mode: jax.Array,
-                 host_free: jax.Array) -> tuple[jax.Array, jax.Array]:
+def recompute_tokens(prompt_len: jax.Array, seq_alive: jax.Array, num_tokens: jax.Array,
+                     block_size: int) -> jax.Array:
+    """int32[G]: tokens a recompute prefills again (SPEC B1): the prompt's full blocks once,
+    plus every live sequence's own tokens past them (for one sequence: all its tokens)."""
+    full_prompt = (prompt_len // block_size) * block_size
+    lens = jnp.where(seq_alive, num_tokens, 0).sum(-1)
+    return lens - (seq_alive.sum(-1, dtype=jnp.int32) - 1) * full_prompt
+
+
+def wants_swap(victims_w, nmax_w, held_w, tokens_w, mode, costs) -> jax.Array:
+    """bool[G]: the victims the mode would swap, were the host pool big enough.
+
+    Default mode swaps groups of more than one sequence; "auto" (PREEMPT_COST) swaps a victim
+    iff moving its `held_w` unique blocks out and back costs less than prefilling its
+    `tokens_w` tokens again (`costs`: the five cost_model coefficients, float32 scalars).
+    """
+    by_seqs = jnp.where(nmax_w > 1, PREEMPT_SWAP, PREEMPT_RECOMPUTE)
+    cheaper = swap_seconds(costs, held_w.astype(jnp.float32)) < recompute_seconds(
+        costs, tokens_w.astype(jnp.float32))
+    by_cost = jnp.where(cheaper, PREEMPT_SWAP, PREEMPT_RECOMPUTE)
+    chosen = jnp.where(mode == PREEMPT_DEFAULT, by_seqs, jnp.where(mode == PREEMPT_COST, by_cost, mode))
+    return victims_w & (chosen == PREEMPT_SWAP)
+
+
+def choose_modes(victims_w: jax.Array, nmax_w: jax.Array, held_w: jax.Array, tokens_w: jax.Array,
+                 mode: jax.Array, costs, host_free: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Split walk-ordered victims into (swap, recompute) masks.
 
-    Victims are preempted tail first (decreasing walk position). A victim that should swap
-    but whose unique blocks no longer fit in the host pool is recomputed instead (SPEC B1);
-    later victims still swap when they fit, so the short-host case is a sequential scan.
+    `wants_swap` picks by the mode. Victims are preempted tail first (decreasing walk
+    position). A victim that should swap but whose unique blocks no longer fit in the host
+    pool is recomputed instead (SPEC B1); later victims still swap when they fit, so the
+    short-host case is a sequential scan.
     """
-    auto = jnp.where(nmax_w > 1, PREEMPT_SWAP, PREEMPT_RECOMPUTE)
-    wants_swap = victims_w & (jnp.where(mode == PREEMPT_AUTO, auto, mode) == PREEMPT_SWAP)
-    need = jnp.where(wants_swap, held_w, 0)
+    want = wants_swap(victims_w, nmax_w, held_w, tokens_w, mode, costs)
+    need = jnp.where(want, held_w, 0)
 
     def greedy(_):
         def body(left, x):
             want, blocks = x
             fits = want & (blocks <= left)
             return left - jnp.where(fits, blocks, 0), fits
-        _, fits = lax.scan(body, host_free, (wants_swap, need), reverse=True)
+        _, fits = lax.scan(body, host_free, (want, need), reverse=True)
         return fits
 
-    swap = lax.cond(need.sum() <= host_free, lambda _: wants_swap, greedy, None)
+    swap = lax.cond(need.sum() <= host_free, lambda _: want, greedy, None)
     return swap, victims_w & ~swap
 
 
@@ -63,10 +88,10 @@ def no_victims(g: int) -> Victims:
     return Victims(zb, zb, zi, zi)
 
 
-def pick_modes(victims_w, nmax_w, held_w, mode, host_free,
+def pick_modes(victims_w, nmax_w, held_w, tokens_w, mode, costs, host_free,
                to_slots: Callable[..., list]) -> Victims:
     """Modes and preemption ranks of the running walk's victims, mapped to slots."""
-    swap_w, rec_w = choose_modes(victims_w, nmax_w, held_w, mode, host_free)
+    swap_w, rec_w = choose_modes(victims_w, nmax_w, held_w, tokens_w, mode, costs, host_free)
     # Preemption order is decreasing walk position: ranks among each mode's victims.
     rec, swap, r_rec, r_swap = to_slots(rec_w, swap_w, reverse_exclusive_cumsum(rec_w),
                                         reverse_exclusive_cumsum(swap_w))
@@ -103,10 +128,7 @@ def preempted_fields(f: dict, v: Victims, block_size: int) -> dict:
     `f` holds the current fields (decoded); returns only the changed ones.
     """
     victims = v.recompute | v.swap
-    full_prompt = (f["prompt_len"] // block_size) * block_size
-    alive = f["seq_alive"]
-    lens = jnp.where(alive, f["num_tokens"], 0).sum(1)
-    total = lens - (alive.sum(1, dtype=jnp.int32) - 1) * full_prompt
+    total = recompute_tokens(f["prompt_len"], f["seq_alive"], f["num_tokens"], block_size)
     return dict(
         status=jnp.where(v.recompute, WAITING, jnp.where(v.swap, SWAPPED, f["status"])),
         queue_key=jnp.where(v.recompute, f["front_key"] - v.rank_recompute,

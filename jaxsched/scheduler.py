@@ -25,7 +25,8 @@ from jaxsched import placement
 from jaxsched.block_pool import entry_valid, exclusive_cumsum, first_holder, num_free
 from jaxsched.config import Capacity, SchedulerConfig
 from jaxsched.placement import Blocks, no_pairs
-from jaxsched.preemption import free_victims, no_victims, pick_modes, preempted_fields
+from jaxsched.preemption import (free_victims, no_victims, pick_modes, preempted_fields,
+                                 recompute_tokens)
 from jaxsched.state import (FINISHED, IGNORE_NEVER_FITS, IGNORE_PROMPT_TOO_LONG, IGNORED,
                             RUNNING, SWAPPED, WAITING, SchedulerOutput, SchedulerState)
 from jaxsched.walks import (PrefixWalk, Queues, RunningInputs, order_is_cached, prefix_walk,
@@ -373,8 +374,10 @@ def _general(state, now, cap: Capacity, free0, totals=None):
     # Preemption (rare): modes, device blocks freed, host blocks for swap victims.
     def preempt(blk, pairs, host_table):
         run_w = q.walk(1)
+        tokens = recompute_tokens(state.prompt_len, state.seq_alive, state.num_tokens, cap.block_size)
         v = pick_modes(run.preempted_w, jnp.take(d["nmax"], run_w), jnp.take(d["held"], run_w),
-                       lim.preemption_mode, host_free0, lambda *xs: q.to_slots(1, d["is_run"], *xs))
+                       jnp.take(tokens, run_w), lim.preemption_mode, lim.costs, host_free0,
+                       lambda *xs: q.to_slots(1, d["is_run"], *xs))
         blk, host_table, pairs, count = free_victims(blk, pairs, host_table, v, d["share"],
                                                      lim.num_host_blocks)
         return (v, blk, host_table, pairs, count, num_free(blk.device_ref, lim.num_device_blocks),

@@ -33,6 +33,7 @@ from flax import struct
 from jax import lax
 
 from jaxsched.config import Capacity, SchedulerConfig
+from jaxsched.cost_model import FIELDS as COST_FIELDS
 
 # Group status: which queue holds the slot.
 EMPTY, WAITING, RUNNING, SWAPPED, FINISHED = 0, 1, 2, 3, 4
@@ -58,9 +59,13 @@ class Limits:
       num_host_blocks: active host blocks, <= capacity.
       max_num_seqs, max_num_batched_tokens, max_model_len: vLLM's limits.
       watermark_blocks: int(watermark * num_device_blocks).
-      preemption_mode: 0 auto, 1 recompute, 2 swap.
+      preemption_mode: config.PREEMPTION_MODES: 0 vLLM's default, 1 recompute, 2 swap,
+        3 "auto" (by cost).
       delay_factor: float32.
       block_size: mirrors Capacity.block_size for transitions compiled without a capacity.
+      recompute_fixed, recompute_per_token, recompute_per_token_sq, swap_fixed,
+        swap_per_block: float32, the cost model of mode 3 (cost_model.PreemptionCosts),
+        in seconds; read only by mode 3.
     """
     num_device_blocks: jax.Array
     num_host_blocks: jax.Array
@@ -71,6 +76,16 @@ class Limits:
     preemption_mode: jax.Array
     delay_factor: jax.Array
     block_size: jax.Array
+    recompute_fixed: jax.Array
+    recompute_per_token: jax.Array
+    recompute_per_token_sq: jax.Array
+    swap_fixed: jax.Array
+    swap_per_block: jax.Array
+
+    @property
+    def costs(self) -> tuple[jax.Array, ...]:
+        """The cost coefficients in cost_model.FIELDS order."""
+        return tuple(getattr(self, name) for name in COST_FIELDS)
 
 
 # The layout: (name, shape in terms of the dims) in storage order. Fields a steady decode
@@ -99,7 +114,7 @@ _LEAF_OF = {"block_table": 1, "host_table": 1, "device_ref": 2, "host_ref": 2}
 ONE_LEAF_BYTES = 128 * 1024
 FIELD_NAMES = tuple(name for name, _ in FIELDS)
 
-_FLOATS = {"arrival_time", "prev_time", "last_prompt_latency", "delay_factor"}
+_FLOATS = {"arrival_time", "prev_time", "last_prompt_latency", "delay_factor", *COST_FIELDS}
 _BOOLS = {"forked", "seq_alive", "prev_admitted"}
 _UINTS = {"rng"}
 
@@ -369,6 +384,8 @@ def make_limits(config: SchedulerConfig) -> Limits:
         preemption_mode=i32(config.preemption_mode_id),
         delay_factor=jnp.asarray(config.delay_factor, jnp.float32),
         block_size=i32(config.block_size),
+        **{name: jnp.asarray(value, jnp.float32)
+           for name, value in zip(COST_FIELDS, config.costs.coefficients)},
     )
 
 

@@ -23,11 +23,15 @@ import dataclasses
 import math
 from collections import deque
 
+import numpy as np
+
+from jaxsched.cost_model import DEFAULT_COSTS, PreemptionCosts, recompute_seconds, swap_seconds
+
 FINISHED_LENGTH_CAPPED = "finished_length_capped"
 FINISHED_STOPPED = "finished_stopped"  # never reached in replay: no sequence samples EOS
 FINISHED_IGNORED = "finished_ignored"
 FINISHED_ABORTED = "finished_aborted"
-RECOMPUTE, SWAP = "recompute", "swap"  # preemption modes
+RECOMPUTE, SWAP, AUTO = "recompute", "swap", "auto"  # preemption modes
 OK, LATER, NEVER = "ok", "later", "never"  # vLLM's AllocStatus
 ARTIFICIAL_PREEMPTION_PROB = 0.5
 ARTIFICIAL_PREEMPTION_MAX_CNT = 500
@@ -52,6 +56,7 @@ class SchedulerConfig:
     max_model_len: int
     enable_chunked_prefill: bool = False
     preemption_mode: str | None = None  # None: RECOMPUTE for one sequence, SWAP for more
+    preemption_costs: dict | None = None  # AUTO's cost model (cost_model.FIELDS); None: default
     delay_factor: float = 0.0
     watermark: float = 0.01
     step_time: float = 1.0
@@ -60,7 +65,7 @@ class SchedulerConfig:
     seed: int = 0
 
     def __post_init__(self):
-        if self.preemption_mode not in (None, RECOMPUTE, SWAP):
+        if self.preemption_mode not in (None, RECOMPUTE, SWAP, AUTO):
             raise ValueError(f"bad preemption_mode {self.preemption_mode!r}")
         if min(self.block_size, self.num_device_blocks, self.max_num_seqs,
                self.max_num_batched_tokens, self.max_model_len) <= 0:
@@ -544,6 +549,8 @@ class ReferenceScheduler:
         mode = self.config.preemption_mode
         if mode is None:
             mode = RECOMPUTE if group.max_running_seqs() == 1 else SWAP
+        elif mode == AUTO:
+            mode = SWAP if self._swap_is_cheaper(group) else RECOMPUTE
         if mode == SWAP and bm.can_swap_out(group):
             out.blocks_to_swap_out += bm.move(group, bm.device, bm.host)
             out.swapped_out.append(group)
@@ -551,10 +558,24 @@ class ReferenceScheduler:
             mode = RECOMPUTE
             bm.free(group, bm.device)
             group.prefill_done = 0
-            group.prefill_total = (multi_recompute_layout(group, bm.block_size)[2]
-                                   if group.is_multi() else group.seqs[0].num_tokens)
+            group.prefill_total = self._recompute_total(group)
         group.num_preemptions += 1
         out.preempted.append((group, mode))
+
+    def _recompute_total(self, group: SequenceGroup) -> int:
+        """Tokens a recompute prefills again (SPEC B1)."""
+        return (multi_recompute_layout(group, self.block_manager.block_size)[2]
+                if group.is_multi() else group.seqs[0].num_tokens)
+
+    def _swap_is_cheaper(self, group: SequenceGroup) -> bool:
+        """AUTO: the swap of the group's unique blocks (out and back in) costs less than
+        prefilling its tokens again. float32, in the jitted scheduler's order of operations."""
+        costs = self.config.preemption_costs
+        costs = DEFAULT_COSTS if costs is None else PreemptionCosts.coerce(costs)
+        c = tuple(np.float32(x) for x in costs.coefficients)
+        blocks = np.float32(len(self.block_manager.unique_blocks(group)))
+        tokens = np.float32(self._recompute_total(group))
+        return bool(swap_seconds(c, blocks) < recompute_seconds(c, tokens))
 
     def _ignore(self, group: SequenceGroup, out: SchedulerOutputs) -> None:
         for seq in group.seqs:

@@ -1,0 +1,241 @@
+"""What a preemption costs: recompute (re-prefill) against swap (out and back in).
+
+    costs = PreemptionCosts(recompute_fixed=0.02, recompute_per_token=2e-3, swap_fixed=1e-4,
+                            swap_per_block=4e-4)
+    config = SchedulerConfig(preemption_mode="auto", preemption_costs=costs)
+
+With `preemption_mode="auto"` each victim of the running walk is swapped iff
+
+    swap_fixed + swap_per_block * B  <  recompute_fixed + T * (recompute_per_token
+                                                             + recompute_per_token_sq * T)
+
+where B is the victim's unique device blocks (what a swap moves out and later back in) and
+T the tokens a recompute would prefill again (SPEC B1: the prompt's full blocks once, plus
+every live sequence's own tokens). Ties recompute. A swap that no longer fits the host pool
+recomputes, as in every mode.
+
+The coefficients are seconds on some backend: `measure_preemption_costs` times the model's
+paged forward on prefills of several lengths and the cache's `swap_out` + `swap_in` on
+several block counts, and `fit` turns the timings into coefficients (non-negative least
+squares). `to_json` / `from_json` keep a measured model in a file. The formulas are module
+functions over plain arithmetic so the jitted scheduler (float32 arrays) and the Python
+reference (numpy float32) evaluate them in the same order and agree bit for bit.
+
+This module imports only numpy at load time (config.py, a leaf, imports it); the
+measurement imports jax and the cache kernels when it runs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+
+FIELDS = ("recompute_fixed", "recompute_per_token", "recompute_per_token_sq", "swap_fixed",
+          "swap_per_block")
+
+
+@dataclasses.dataclass(frozen=True)
+class PreemptionCosts:
+    """A fitted cost model, in seconds (hashable: it may sit in a SchedulerConfig).
+
+    Attributes:
+      recompute_fixed: seconds of a prefill beyond its tokens (one more model call).
+      recompute_per_token: seconds per prefilled token.
+      recompute_per_token_sq: seconds per token squared (attention over the prefix).
+      swap_fixed: seconds of a swap-out plus swap-in beyond its blocks.
+      swap_per_block: seconds to move one block (every layer's K and V) out and back in.
+    """
+    recompute_fixed: float
+    recompute_per_token: float
+    recompute_per_token_sq: float = 0.0
+    swap_fixed: float = 0.0
+    swap_per_block: float = 0.0
+
+    def __post_init__(self):
+        for name in FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)) \
+                    or not math.isfinite(value) or value < 0:
+                raise ValueError(f"PreemptionCosts.{name}: must be a finite number >= 0, got {value!r}")
+            object.__setattr__(self, name, float(value))
+
+    @property
+    def coefficients(self) -> tuple[float, ...]:
+        """The five coefficients in FIELDS order (what the scheduler's limits store)."""
+        return tuple(getattr(self, name) for name in FIELDS)
+
+    def recompute_seconds(self, tokens):
+        return recompute_seconds(self.coefficients, tokens)
+
+    def swap_seconds(self, blocks):
+        return swap_seconds(self.coefficients, blocks)
+
+    def to_json(self, path: str | Path | None = None, **extra) -> str:
+        """The coefficients (plus `extra` keys, e.g. the measurements) as JSON; written to
+        `path` when given."""
+        text = json.dumps({**{name: getattr(self, name) for name in FIELDS}, **extra}, indent=1)
+        if path is not None:
+            Path(path).write_text(text + "\n")
+        return text
+
+    @classmethod
+    def from_json(cls, source: str | Path) -> PreemptionCosts:
+        """From a file written by `to_json`, or from its text; keys besides FIELDS are ignored."""
+        text = str(source)
+        if not text.lstrip().startswith("{"):
+            path = Path(source)
+            if not path.exists():
+                raise ValueError(f"preemption_costs: no such file {str(path)!r}")
+            text = path.read_text()
+        data = json.loads(text)
+        missing = [n for n in ("recompute_fixed", "recompute_per_token") if n not in data]
+        if missing:
+            raise ValueError(f"preemption_costs: JSON lacks {missing[0]!r}")
+        return cls(**{n: data[n] for n in FIELDS if n in data})
+
+    @classmethod
+    def coerce(cls, value) -> PreemptionCosts:
+        """A PreemptionCosts from itself, a dict of FIELDS, or a sequence in FIELDS order."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            unknown = sorted(set(value) - set(FIELDS))
+            if unknown:
+                raise ValueError(f"unknown key {unknown[0]!r} (expected {', '.join(FIELDS)})")
+            return cls(**value)
+        if isinstance(value, (list, tuple)) and len(value) == len(FIELDS):
+            return cls(*value)
+        raise ValueError(f"expected a PreemptionCosts, a dict of {', '.join(FIELDS)} or a "
+                         f"sequence of {len(FIELDS)} numbers, got {value!r}")
+
+
+# NOTE: measured with benchmarks/preemption_auto.py (SmolLM2-135M, float32, block_size 16,
+# the 2-core CPU of benchmarks/results/preemption_costs_cpu.json) and rounded. On that
+# backend a block moves out and back in ~100x faster than its 16 tokens prefill again, so
+# `auto` swaps whenever the host pool has room. Other backends and models have other
+# numbers: measure them (`measure_preemption_costs`) and pass the result.
+DEFAULT_COSTS = PreemptionCosts(recompute_fixed=2e-2, recompute_per_token=2e-3,
+                                recompute_per_token_sq=0.0, swap_fixed=5e-4, swap_per_block=2e-3)
+
+
+def recompute_seconds(c, tokens):
+    """Seconds to prefill `tokens` again; `c` the FIELDS coefficients (floats or arrays)."""
+    return c[0] + tokens * (c[1] + c[2] * tokens)
+
+
+def swap_seconds(c, blocks):
+    """Seconds to swap `blocks` out and back in."""
+    return c[3] + c[4] * blocks
+
+
+# ----------------------------------------------------------------------------- fitting
+
+def _nonneg_lstsq(a: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """argmin |a x - y| over x >= 0, for a handful of columns: the best of every subset's
+    unconstrained fit whose coefficients are all >= 0 (exact; 2**columns small solves)."""
+    best, best_err = np.zeros(a.shape[1]), float(np.sum(y ** 2))
+    for k in range(1, a.shape[1] + 1):
+        for cols in itertools.combinations(range(a.shape[1]), k):
+            x, *_ = np.linalg.lstsq(a[:, cols], y, rcond=None)
+            if (x < 0).any():
+                continue
+            err = float(np.sum((a[:, cols] @ x - y) ** 2))
+            if err < best_err:
+                best, best_err = np.zeros(a.shape[1]), err
+                best[list(cols)] = x
+    return best
+
+
+def fit(tokens, recompute_s, blocks, swap_s, quadratic: bool = True) -> PreemptionCosts:
+    """Least-squares coefficients (all >= 0) from measured points.
+
+    tokens, recompute_s: prefill lengths and their seconds; blocks, swap_s: block counts and
+    the seconds of swap_out + swap_in. `quadratic=False` leaves recompute_per_token_sq at 0.
+    """
+    t, r = np.asarray(tokens, np.float64), np.asarray(recompute_s, np.float64)
+    b, s = np.asarray(blocks, np.float64), np.asarray(swap_s, np.float64)
+    cols = [np.ones_like(t), t] + ([t * t] if quadratic else [])
+    rec = _nonneg_lstsq(np.stack(cols, 1), r)
+    swp = _nonneg_lstsq(np.stack([np.ones_like(b), b], 1), s)
+    return PreemptionCosts(rec[0], rec[1], rec[2] if quadratic else 0.0, swp[0], swp[1])
+
+
+# ----------------------------------------------------------------------------- measuring
+
+def _median_seconds(fn, reps: int) -> float:
+    fn()                                     # warm-up: compiles
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def measure_preemption_costs(forward, graphdef, params, *, num_layers: int, num_kv_heads: int,
+                             head_dim: int, block_size: int, dtype="float32",
+                             lengths=(16, 64, 128, 256), blocks=(1, 4, 8, 16), reps: int = 3,
+                             impl: str = "chunked", quadratic: bool = True
+                             ) -> tuple[PreemptionCosts, dict]:
+    """Time recompute and swap on the running backend; returns (fitted costs, measurements).
+
+    Recompute: the model's paged `forward(graphdef, params, tokens, positions, metadata,
+    kv_cache, impl)` (the engine's forward, e.g. models.llama.paged_forward) on one sequence
+    prefilling L tokens, for each L of `lengths` (one compile each). Swap: `kv_cache.swap_out`
+    then `swap_in` of k blocks on a cache of the model's block shape, for each k of `blocks`
+    (one compile). Each point is the median of `reps` timed calls after a warm-up call.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from jaxsched import kv_cache as kvc
+    from jaxsched.attention import AttentionMetadata
+
+    shape = dict(num_layers=num_layers, block_size=block_size, num_kv_heads=num_kv_heads,
+                 head_dim=head_dim, dtype=jnp.dtype(dtype))
+    longest = max(lengths)
+    width = math.ceil(longest / block_size)
+    cache = [kvc.init_kv_cache(num_device_blocks=width + 1, num_host_blocks=1, **shape)]
+    run = jax.jit(forward, static_argnums=(0, 6), donate_argnums=(5,))
+
+    def prefill(length: int):
+        table = jnp.arange(1, width + 1, dtype=jnp.int32)[None]      # block 0 is the null block
+        pos = jnp.arange(length, dtype=jnp.int32)
+        meta = AttentionMetadata(slot_mapping=table[0, pos // block_size] * block_size + pos % block_size,
+                                 positions=pos, seq_ids=jnp.zeros((length,), jnp.int32),
+                                 block_tables=table, context_lens=jnp.array([length], jnp.int32),
+                                 logits_indices=jnp.array([length - 1], jnp.int32),
+                                 num_valid=jnp.int32(length))
+        tokens = (pos * 7919 + 1) % 97                               # any valid ids
+
+        def once():
+            logits, cache[0] = run(graphdef, params, tokens, pos, meta, cache[0], impl)
+            jax.block_until_ready(logits)
+        return once
+
+    rec = [_median_seconds(prefill(n), reps) for n in lengths]
+    del cache[0]
+
+    most = max(blocks)
+    swap_cache = [kvc.init_kv_cache(num_device_blocks=most + 1, num_host_blocks=most + 1, **shape)]
+    ids = jnp.arange(1, most + 1, dtype=jnp.int32)
+
+    def swap(k: int):
+        out_pairs = jnp.stack([ids, ids], 1)                         # device i -> host i
+        count = jnp.int32(k)
+
+        def once():
+            c = kvc.swap_out(swap_cache[0], out_pairs, count)
+            swap_cache[0] = jax.block_until_ready(kvc.swap_in(c, out_pairs, count))
+        return once
+
+    swp = [_median_seconds(swap(k), reps) for k in blocks]
+    costs = fit(lengths, rec, blocks, swp, quadratic=quadratic)
+    measured = {"backend": jax.default_backend(), "lengths": list(lengths), "recompute_seconds": rec,
+                "blocks": list(blocks), "swap_seconds": swp, "reps": reps}
+    return costs, measured
