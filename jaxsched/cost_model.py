@@ -90,12 +90,12 @@ class PreemptionCosts:
         if not text.lstrip().startswith("{"):
             path = Path(source)
             if not path.exists():
-                raise ValueError(f"preemption_costs: no such file {str(path)!r}")
+                raise ValueError(f"no such file {str(path)!r}")
             text = path.read_text()
         data = json.loads(text)
         missing = [n for n in ("recompute_fixed", "recompute_per_token") if n not in data]
         if missing:
-            raise ValueError(f"preemption_costs: JSON lacks {missing[0]!r}")
+            raise ValueError(f"the JSON lacks {missing[0]!r}")
         return cls(**{n: data[n] for n in FIELDS if n in data})
 
     @classmethod
@@ -107,6 +107,9 @@ class PreemptionCosts:
             unknown = sorted(set(value) - set(FIELDS))
             if unknown:
                 raise ValueError(f"unknown key {unknown[0]!r} (expected {', '.join(FIELDS)})")
+            missing = [n for n in FIELDS[:2] if n not in value]
+            if missing:
+                raise ValueError(f"missing key {missing[0]!r}")
             return cls(**value)
         if isinstance(value, (list, tuple)) and len(value) == len(FIELDS):
             return cls(*value)
@@ -114,13 +117,16 @@ class PreemptionCosts:
                          f"sequence of {len(FIELDS)} numbers, got {value!r}")
 
 
-# NOTE: measured with benchmarks/preemption_auto.py (SmolLM2-135M, float32, block_size 16,
-# the 2-core CPU of benchmarks/results/preemption_costs_cpu.json) and rounded. On that
-# backend a block moves out and back in ~100x faster than its 16 tokens prefill again, so
-# `auto` swaps whenever the host pool has room. Other backends and models have other
-# numbers: measure them (`measure_preemption_costs`) and pass the result.
-DEFAULT_COSTS = PreemptionCosts(recompute_fixed=2e-2, recompute_per_token=2e-3,
-                                recompute_per_token_sq=0.0, swap_fixed=5e-4, swap_per_block=2e-3)
+# NOTE: the default is benchmarks/results/preemption_costs_cpu.json rounded: SmolLM2-135M,
+# float32, block_size 16, on the 2-core CPU the benchmarks run on (prefill 40 ms + 3.8 ms
+# per token, no measurable quadratic term up to 256 tokens; a block out and back in 0.095
+# ms). Load on that shared machine moves the prefill numbers by up to 2x between runs (an
+# earlier run fitted 80 ms + 2.0 ms/token), never the verdict: one block's 16 tokens cost
+# ~100 ms to prefill again and ~0.1 ms to swap, so with these costs `auto` swaps whenever
+# the host pool has room. An accelerator with a slow host link can turn that around (fast
+# prefill, slow copies): measure there (`measure_preemption_costs`) and pass the result.
+DEFAULT_COSTS = PreemptionCosts(recompute_fixed=4e-2, recompute_per_token=3.8e-3,
+                                recompute_per_token_sq=0.0, swap_fixed=0.0, swap_per_block=9.5e-5)
 
 
 def recompute_seconds(c, tokens):
