@@ -3,7 +3,7 @@ the sweep's result files (CSV, JSON, PNG plots) and markdown table.
 
     jaxsched trace generate -o trace.json --num-requests 500 --rate 0.5 --arrival bursty
     jaxsched sweep trace.json --num-device-blocks 64:1024:64 --max-num-seqs 8,16,32,64 \
-        --preemption-mode recompute,swap -o sweep-out/
+        --preemption-mode recompute,swap,auto -o sweep-out/
 
 Imports of jax, matplotlib and the scheduler happen inside functions, so `jaxsched --help`
 stays fast.
@@ -58,7 +58,8 @@ def register(subparsers) -> None:
     for name, kind, text in CONFIG_FLAGS:
         g(_flag(name), type=kind, help=f"config: {text}")
     g("--enable-chunked-prefill", action="store_true", default=None, help="config: chunked prefill")
-    g("--preemption-mode", choices=("auto", "recompute", "swap"), help="config: preemption mode")
+    g("--preemption-mode", choices=("default", "auto", "recompute", "swap"),
+      help="config: preemption mode (default: vLLM's; auto: by cost)")
     generate.set_defaults(func=cmd_trace_generate)
 
     sweep = subparsers.add_parser("sweep", help="replay a trace under a grid of limits in one compiled call")
@@ -66,7 +67,9 @@ def register(subparsers) -> None:
     s("trace", help="trace JSON")
     s("--num-device-blocks", metavar="SPEC", help="e.g. 64:1024:64 (inclusive) or 64,128,256")
     s("--max-num-seqs", metavar="SPEC", help="e.g. 8,16,32,64")
-    s("--preemption-mode", metavar="SPEC", help="e.g. recompute,swap (or auto)")
+    s("--preemption-mode", metavar="SPEC", help="e.g. recompute,swap,auto,default")
+    s("--preemption-costs", metavar="FILE", help="cost model of mode auto (JSON from "
+      "cost_model.PreemptionCosts.to_json, e.g. benchmarks/results/preemption_costs_cpu.json)")
     for name in ("num_host_blocks", "max_num_batched_tokens", "max_model_len", "watermark", "delay_factor"):
         s(_flag(name), metavar="SPEC")
     s("--block-size", metavar="VALUE", help="static: one value overrides the trace's")
@@ -171,7 +174,7 @@ def cmd_trace_generate(args) -> int:
     if args.enable_chunked_prefill:
         config["enable_chunked_prefill"] = True
     if args.preemption_mode is not None:
-        config["preemption_mode"] = None if args.preemption_mode == "auto" else args.preemption_mode
+        config["preemption_mode"] = None if args.preemption_mode == "default" else args.preemption_mode
     try:
         trace = generate_trace(args.num_requests, args.rate, arrival=args.arrival,
                                prompt=_dist(args, "prompt", LogNormal(5.0, 0.8)),
@@ -230,7 +233,7 @@ def cmd_sweep(args) -> int:
                 raise ValueError(f"--step-cost: expected A,B,C,D, got {args.step_cost!r}")
             model = StepTimeModel(*(float(p) for p in parts))
         rows = sweep(trace, capacity=capacity, step_time_model=model, vmap_runs=args.vmap_runs,
-                     progress=not args.no_progress, **axes)
+                     progress=not args.no_progress, preemption_costs=args.preemption_costs, **axes)
     except (SweepError, TraceError, ValueError) as e:
         print(_one_line(e), file=sys.stderr)
         return 2

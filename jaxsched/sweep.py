@@ -32,6 +32,7 @@ import functools
 import itertools
 import math
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -39,13 +40,16 @@ import numpy as np
 from jax import lax
 
 from jaxsched.config import SchedulerConfig
+from jaxsched.cost_model import PreemptionCosts
 from jaxsched.requests import RequestBatch, add_requests, free_finished, update
 from jaxsched.scheduler import schedule_step
 from jaxsched.state import FINISHED, IGNORED, init_state, set_limits
 from jaxsched.trace import Trace, TraceError, parse_trace
 
 CHUNK_STEPS = 64
-MODES = {"auto": None, "none": None, "recompute": "recompute", "swap": "swap"}
+# "auto" is the cost-based mode (the trace config's preemption_costs, else the default
+# costs); vLLM's default (None: recompute one sequence, swap more) is "default" or "none".
+MODES = {"auto": "auto", "default": None, "none": None, "recompute": "recompute", "swap": "swap"}
 # Sweepable limits, in grid order (the first varies slowest), and how to read their values.
 SWEEP_FIELDS = ("preemption_mode", "max_num_seqs", "num_device_blocks", "num_host_blocks",
                 "max_num_batched_tokens", "max_model_len", "watermark", "delay_factor")
@@ -109,6 +113,16 @@ def _static_value(field: str, spec):
     return value
 
 
+def _costs(value) -> PreemptionCosts:
+    """A cost model from an object, a dict or a JSON file (a path)."""
+    try:
+        if isinstance(value, (str, Path)):
+            return PreemptionCosts.from_json(value)
+        return PreemptionCosts.coerce(value)
+    except (TypeError, ValueError) as e:
+        raise SweepError(f"sweep: preemption_costs: {e}") from None
+
+
 def _parse_range(field: str, spec: str) -> list:
     try:
         start, stop, step = (float(x) if field in FLOAT_FIELDS else int(x) for x in spec.split(":"))
@@ -126,7 +140,8 @@ def _parse_one(field: str, value):
     if field == "preemption_mode":
         key = "none" if value is None else str(value).lower()
         if key not in MODES:
-            raise SweepError(f"sweep: unknown preemption_mode {value!r} (expected recompute, swap or auto)")
+            raise SweepError(f"sweep: unknown preemption_mode {value!r} "
+                             f"(expected recompute, swap, auto or default)")
         return MODES[key]
     kind = float if field in FLOAT_FIELDS else int
     try:
@@ -306,7 +321,8 @@ def _unfinished(trace, configs, bad):
 # ----------------------------------------------------------------------------- the front end
 
 def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
-          vmap_runs: int | None = None, progress: bool = True, **axes) -> list[dict]:
+          vmap_runs: int | None = None, progress: bool = True, preemption_costs=None,
+          **axes) -> list[dict]:
     """Replay `trace` under every combination of the given limit lists; one row per run.
 
     Axes are any of SWEEP_FIELDS (preemption_mode, max_num_seqs, num_device_blocks,
@@ -314,6 +330,8 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
     list, one value or a spec string ("8,16,32" or "64:1024:64", inclusive). Fields not swept
     come from the trace's config; a static field (block_size, enable_chunked_prefill) may be
     given one value, never a list. `capacity` fixes static sizes (see `sweep_capacity`).
+    `preemption_costs` (a cost_model.PreemptionCosts, its dict, or a JSON file written by
+    `to_json`) replaces the trace's cost model of preemption_mode "auto" in every run.
     With a `workload.StepTimeModel` (any f(prefill_tokens, decode_seqs, swapped_blocks) ->
     seconds per step), rows also give seconds: the summed per-step costs. `vmap_runs`
     is how many runs one jax.vmap steps together (default: all on an accelerator, 1 on CPU,
@@ -334,6 +352,8 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
     if not parsed.requests:
         raise SweepError("sweep: the trace has no requests")
     static = {f: _static_value(f, axes.pop(f)) for f in list(axes) if f in STATIC_FIELDS}
+    if preemption_costs is not None:
+        static["preemption_costs"] = _costs(preemption_costs)
     values = {f: parse_values(f, v) for f, v in axes.items()}
     points, configs = make_grid(dataclasses.replace(parsed.scheduler_config, **static), values)
     cap = sweep_capacity(parsed, configs, capacity)
@@ -363,7 +383,7 @@ def _row(point, config, rec, per_request, arrival, model) -> dict:
     served = reason != IGNORED
     latency = (finish - arrival)[served]
     total = lambda col: int(rec[:, col].sum())
-    row = {k: ("auto" if k == "preemption_mode" and v is None else v) for k, v in point.items()}
+    row = {k: ("default" if k == "preemption_mode" and v is None else v) for k, v in point.items()}
     row.update(steps=last + 1, preempted_recompute=total(C_RECOMPUTE), preempted_swap=total(C_SWAP),
                num_preemptions=total(C_RECOMPUTE) + total(C_SWAP), swapped_in=total(C_SWAPPED_IN),
                blocks_swapped_out=total(C_SWAP_OUT), blocks_swapped_in=total(C_SWAP_IN),

@@ -10,7 +10,7 @@ from jaxsched.config import SchedulerConfig
 
 CONFIG_KEYS = {"block_size", "num_device_blocks", "num_host_blocks", "max_num_seqs",
                "max_num_batched_tokens", "max_model_len", "enable_chunked_prefill",
-               "preemption_mode", "delay_factor", "watermark", "step_time", "max_steps",
+               "preemption_mode", "preemption_costs", "delay_factor", "watermark", "step_time", "max_steps",
                "artificial_preemption", "seed"}
 REQUEST_KEYS = {"id", "arrival_step", "prompt_len", "max_tokens", "n"}
 REQUEST_DEFAULTS = {"arrival_step": 0, "n": 1}
