@@ -63,8 +63,8 @@ DEFAULT_PROMPTS = [
 DEFAULT_ENGINE = dict(num_device_blocks=16, num_host_blocks=64, block_size=16, max_num_seqs=8,
                       max_num_batched_tokens=128, max_model_len=512, num_slots=8)
 ENGINE_FLAGS = ("num_device_blocks", "num_host_blocks", "block_size", "max_num_seqs",
-                "max_num_batched_tokens", "max_model_len", "preemption_mode", "delay_factor",
-                "watermark", "num_slots")
+                "max_num_batched_tokens", "max_model_len", "preemption_mode", "preemption_costs",
+                "delay_factor", "watermark", "num_slots")
 
 
 def cmd_generate(args) -> int:
@@ -145,8 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="independent engine replicas on disjoint device slices")
     gen.add_argument("--quiet", action="store_true", help="no progress bar")
     for name in ENGINE_FLAGS:
-        kind = str if name == "preemption_mode" else float if name in ("delay_factor", "watermark") else int
-        gen.add_argument("--" + name.replace("_", "-"), type=kind, default=None)
+        kind = str if name.startswith("preemption") else float if name in ("delay_factor", "watermark") else int
+        gen.add_argument("--" + name.replace("_", "-"), type=kind, default=None,
+                         help={"preemption_mode": "recompute, swap or auto (by cost)",
+                               "preemption_costs": "cost model of auto: a JSON file, or 'measure'"}.get(name))
     gen.set_defaults(func=cmd_generate)
     return parser
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import pathlib
 import time
 from typing import Iterable, Iterator, Optional, Sequence, Union
 
@@ -21,12 +22,13 @@ import numpy as np
 from flax import nnx
 
 from jaxsched.config import SchedulerConfig
+from jaxsched.cost_model import PreemptionCosts, measure_preemption_costs
 from jaxsched.engine import (EngineSpec, NewRequests, SamplingRows, init_engine, step,
                              step_impl, token_buckets)
 from jaxsched.kv_cache import init_kv_cache
 from jaxsched.params import MAX_STOP_TOKEN_IDS, CompletionOutput, RequestOutput, SamplingParams
 from jaxsched.requests import RequestBatch, abort as abort_slots
-from jaxsched.state import IGNORE_REASONS
+from jaxsched.state import IGNORE_REASONS, set_limits
 
 FINISH = {1: "length", 2: "stop", 3: "ignored", 4: "abort"}
 ENGINE_ARGS = {f.name for f in dataclasses.fields(SchedulerConfig)}
@@ -66,6 +68,14 @@ class LLM:
     `model` is a built-in name ("smollm2-135m", the default), a .gguf path, an HF checkpoint
     directory, or a ready `models.llama.LlamaForCausalLM`. Engine arguments are the
     `SchedulerConfig` fields by the same names.
+
+    `preemption_mode="auto"` preempts each victim by whichever of recompute and swap its cost
+    model says is cheaper. `preemption_costs` is that model: a `cost_model.PreemptionCosts`
+    (or its dict), a JSON file written by `PreemptionCosts.to_json`, or "measure" to time this
+    model's prefill and this cache's swaps once at start-up (`measure_preemption_costs`;
+    seconds to a minute on CPU, one compile per measured prefill length; single-device
+    engines only). Left out, "auto" uses `cost_model.DEFAULT_COSTS`, measured for SmolLM2-135M
+    on a 2-core CPU: cheap swaps, so it swaps whenever the host pool has room.
     """
 
     def __init__(self, model=None, *, tokenizer=None, seed: int = 0, dtype: str = "float32",
@@ -101,6 +111,7 @@ class LLM:
             self.config = self._replicas[0].config
             self._owner: dict[str, LLM] = {}
             return
+        measure = _resolve_costs(engine_args, data * tp > 1 or bool(devices))
         engine_args.setdefault("max_model_len", min(1024, model_config.max_position_embeddings))
         engine_args.setdefault("max_num_batched_tokens", max(512, engine_args.get("max_num_seqs", 16)))
         engine_args.setdefault("seed", seed)
@@ -125,6 +136,11 @@ class LLM:
             self._step = jax.jit(functools.partial(step_impl, spec=self.spec), donate_argnums=(0,),
                                  in_shardings=(state_sh, params_sh, replicated, replicated),
                                  out_shardings=(state_sh, replicated))
+        self.cost_measurements = None
+        if measure:
+            costs, self.cost_measurements = self.measure_preemption_costs()
+            self.config = dataclasses.replace(self.config, preemption_costs=costs)
+            self.state = self.state.replace(sched=set_limits(self.state.sched, self.config))
         self._seed = seed
         self._rows = max_requests_per_step
         self._requests: dict[int, _Request] = {}
@@ -138,6 +154,19 @@ class LLM:
         self._busy = 0.0
         self._compile = 0.0
         self._first_tokens = 0
+
+    def measure_preemption_costs(self, **kw):
+        """Time this model's prefill and this cache's swaps on the running backend.
+
+        Returns (cost_model.PreemptionCosts, the measurements); the engine is left as it
+        is. Keyword arguments go to `cost_model.measure_preemption_costs` (lengths, blocks,
+        reps, quadratic).
+        """
+        mc = self.model_config
+        return measure_preemption_costs(
+            self.spec.forward, self.spec.graphdef, self.params, num_layers=mc.num_hidden_layers,
+            num_kv_heads=mc.num_key_value_heads, head_dim=mc.head_dim,
+            block_size=self.config.block_size, dtype=mc.dtype, impl=self.spec.attention_impl, **kw)
 
     # -------------------------------------------------------------- requests
     def _encode(self, prompt: Prompt) -> tuple[Optional[str], list[int]]:
@@ -385,6 +414,23 @@ class LLM:
             "peak_device_blocks": self._peak[0], "peak_host_blocks": self._peak[1],
             "engine_seconds": round(elapsed, 2), "compile_seconds": round(self._compile, 1),
         }
+
+
+def _resolve_costs(engine_args: dict, sharded: bool) -> bool:
+    """Read a `preemption_costs` file in place; True when it says "measure" (then cleared)."""
+    costs = engine_args.get("preemption_costs")
+    if isinstance(costs, str) and costs == "measure":
+        if sharded:
+            raise ValueError('preemption_costs="measure": only for single-device engines; '
+                             'measure on one device and pass the costs')
+        engine_args["preemption_costs"] = None
+        return True
+    if isinstance(costs, (str, pathlib.Path)):
+        try:
+            engine_args["preemption_costs"] = PreemptionCosts.from_json(costs)
+        except ValueError as e:
+            raise ValueError(f"preemption_costs: {e}") from None
+    return False
 
 
 def _place_model(model_config, tensors, instance, cap, tp, devices, attention_impl):
