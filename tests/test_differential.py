@@ -17,6 +17,16 @@ from conftest import TEST_CAPACITY
 from reference_scheduler import simulate_reference
 
 
+# Cost models for mode "auto" whose float32 arithmetic is exact (integers and a power of two
+# times small integers), so a fused multiply-add cannot flip a decision against the reference.
+# Each swaps some victims and recomputes others.
+AUTO_COSTS = [
+    dict(recompute_fixed=8.0, recompute_per_token=1.0, swap_fixed=40.0, swap_per_block=8.0),
+    dict(recompute_fixed=0.0, recompute_per_token=1.0, recompute_per_token_sq=2.0 ** -8,
+         swap_fixed=64.0, swap_per_block=4.0),
+]
+
+
 @st.composite
 def traces(draw, chunked: bool, artificial: bool = False):
     max_num_seqs = draw(st.integers(1, 12))
@@ -30,11 +40,13 @@ def traces(draw, chunked: bool, artificial: bool = False):
         "max_num_batched_tokens": budget,
         "max_model_len": draw(st.sampled_from([48, 128, 256, 512])),
         "enable_chunked_prefill": chunked,
-        "preemption_mode": draw(st.sampled_from([None, "recompute", "swap"])),
+        "preemption_mode": draw(st.sampled_from([None, "recompute", "swap", "auto"])),
         "delay_factor": draw(st.sampled_from([0.0, 0.0, 0.5, 1.5])),
         "watermark": draw(st.sampled_from([0.01, 0.05])),
         "step_time": 1.0, "max_steps": 3000,
     }
+    if config["preemption_mode"] == "auto":
+        config["preemption_costs"] = draw(st.sampled_from(AUTO_COSTS))
     if artificial:
         config.update(artificial_preemption=True, seed=draw(st.integers(0, 1000)))
     num = draw(st.integers(1, 20))

@@ -79,10 +79,13 @@ def baseline(model):
     dict(num_device_blocks=24, preemption_mode="recompute"),
     dict(num_device_blocks=24, preemption_mode="swap"),
     dict(num_device_blocks=24),                                  # recompute for n=1, swap for n>1
+    dict(num_device_blocks=24, preemption_mode="auto",           # by cost: swap long sequences
+         preemption_costs=dict(recompute_fixed=0.0, recompute_per_token=1.0, swap_fixed=8.0,
+                               swap_per_block=2.0)),
     dict(num_device_blocks=24, num_host_blocks=3, preemption_mode="swap"),   # SPEC B1: host too small
     dict(num_device_blocks=24, enable_chunked_prefill=True, max_num_batched_tokens=16),
     dict(num_device_blocks=40, artificial_preemption=True),
-], ids=["recompute", "swap", "auto", "host-too-small", "chunked", "artificial"])
+], ids=["recompute", "swap", "default", "auto", "host-too-small", "chunked", "artificial"])
 def test_engine__preemption_is_invisible(model, baseline, small):
     prompts, params, expected = baseline
     llm = make_llm(model, **small)

@@ -212,7 +212,7 @@ def traces(draw):
         max_num_batched_tokens=draw(st.sampled_from([8, 32, 128, 512])),
         max_model_len=draw(st.sampled_from([64, 256, 1024])),
         enable_chunked_prefill=chunked,
-        preemption_mode=draw(st.sampled_from([None, "recompute", "swap"])),
+        preemption_mode=draw(st.sampled_from([None, "recompute", "swap", "auto"])),
         delay_factor=draw(st.sampled_from([0.0, 0.5, 1.5])),
         watermark=draw(st.sampled_from([0.0, 0.01, 0.1])), max_steps=20000)
     if not chunked:

@@ -14,6 +14,7 @@ import pytest
 
 from jaxsched import simulate, summarize
 from jaxsched.cli_sweep import register
+from jaxsched.cost_model import PreemptionCosts
 from jaxsched.sweep import SweepError, sweep, sweep_chunk
 from jaxsched.workload import LogNormal, StepTimeModel, generate_trace
 
@@ -87,6 +88,24 @@ def test_sweep__compiles_once_per_shape(vmapped):
     assert [r["num_device_blocks"] for r in other[:4]] == [10, 14, 24, 30]
 
 
+def test_sweep__auto_with_costs_that_always_favour_swap_equals_swap(vmapped, tmp_path):
+    """Mode "auto" sweeps like any mode; its costs are limits (no compile) and come from a file."""
+    rows, _ = vmapped
+    path = tmp_path / "costs.json"
+    PreemptionCosts(recompute_fixed=1e6, recompute_per_token=1.0, swap_per_block=1.0).to_json(path)
+    before = sweep_chunk._cache_size()
+    auto = sweep(TRACE, **dict(GRID, preemption_mode=["auto", "swap"]), capacity=CAPACITY, vmap_runs=16,
+                 progress=False, preemption_costs=str(path))
+    assert sweep_chunk._cache_size() == before
+    swap = [r for r in rows if r["preemption_mode"] == "swap"]
+    assert [r["preemption_mode"] for r in auto[:8]] == ["auto"] * 8
+    for a, b in zip(auto[:8], swap):
+        assert {k: a[k] for k in METRICS} == {k: b[k] for k in METRICS}
+    assert sum(r["preempted_swap"] for r in swap) > 0
+    with pytest.raises(SweepError, match="sweep: preemption_costs: no such file"):
+        sweep(TRACE, progress=False, preemption_costs=str(tmp_path / "missing.json"))
+
+
 def test_sweep__runs_not_drained_within_max_steps_raise_like_simulate(vmapped):
     trace = dict(TRACE, config=dict(TRACE["config"], max_steps=150))
     with pytest.raises(RuntimeError, match=r"sweep: 14 of 16 runs unfinished after max_steps=150"):
@@ -152,6 +171,8 @@ def test_sweep__more_requests_alive_than_slots_doubles_them_or_says_so(monkeypat
      "need 9 blocks, above the static capacity max_blocks_per_seq=4"),
     (dict(capacity=dict(num_slots=0)), "capacity needs a positive num_slots=0"),
     (dict(preemption_mode=["recompute", "lru"]), "unknown preemption_mode 'lru'"),
+    (dict(preemption_costs=dict(recompute_fixed=0.1, recompute_per_token=1e-3, swap_per_block=-1)),
+     "sweep: preemption_costs: PreemptionCosts.swap_per_block: must be a finite number >= 0"),
     (dict(block_size=[16, 32]), "block_size is static"),
     (dict(block_size="16,32"), "block_size is static"),
     (dict(enable_chunked_prefill="maybe"), "expected true or false"),
