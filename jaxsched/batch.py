@@ -45,12 +45,17 @@ def flat_batch(sched, out, token_ids, max_tokens: int, block_size: int) -> FlatB
     n_live = alive.sum(1, dtype=jnp.int32)
     is_prefill = out.is_prefill
     count = jnp.where(out.scheduled, jnp.where(is_prefill, out.num_scheduled_tokens, n_live), 0)
-    start = exclusive_cumsum(count)
-    ends = start + count
+    # Decodes first, then prefill chunks (each part in slot order): attention loops over
+    # cached context per group of consecutive tokens (jaxsched.attention), so prefill tokens
+    # should not share a group with a long decode.
+    order = jnp.argsort(is_prefill, stable=True).astype(jnp.int32)    # position -> slot
+    ends_sorted = jnp.cumsum(count[order])
+    start = jnp.zeros((g,), jnp.int32).at[order].set(ends_sorted - count[order])
     total = count.sum(dtype=jnp.int32)
     t = jnp.arange(max_tokens, dtype=jnp.int32)
     valid = t < total
-    grp = jnp.clip(jnp.searchsorted(ends, t, side="right", method="compare_all"), 0, g - 1).astype(jnp.int32)
+    rank = jnp.clip(jnp.searchsorted(ends_sorted, t, side="right", method="compare_all"), 0, g - 1)
+    grp = order[rank]
     j = t - start[grp]
 
     # Decode: the j-th live sequence; prefill: the j-th token of the group's remaining work.

@@ -113,8 +113,9 @@ class EngineSpec:
     Attributes:
       cap: the scheduler capacity.
       forward: the model family's unjitted `forward(graphdef, params, tokens, positions,
-        metadata, kv_cache, impl) -> (logits at metadata.logits_indices, kv_cache)`; the
-        engine never imports a model (models/llama.py's `paged_forward` is one).
+        metadata, kv_cache, impl) -> (logits at metadata.logits_indices, (k, v))`, k and v
+        this step's keys and values [L, T, H_kv, D]: it reads the cache and the engine writes
+        them (models/llama.py's `paged_forward_new_kv` is one); the engine never imports a model.
       graphdef: the model's nnx GraphDef.
       token_buckets: padded token counts the model is compiled for (ascending).
       num_sample_rows: most sequences sampled in one step (max_num_seqs).
@@ -178,29 +179,46 @@ def _admit(state: EngineState, new: NewRequests) -> EngineState:
 
 
 def _run_model(spec: EngineSpec, params, kv, fb, sample_rows_index, block_tables, context_lens):
-    """The model on the smallest token bucket that holds this step's tokens."""
+    """The model on the smallest token bucket that holds this step's tokens; writes its K/V.
+
+    Inside the switch the cache is only read (a pool written in a branch is copied whole into
+    it); each branch returns its tokens' new K/V padded to the largest bucket, and one scatter
+    after the switch writes them (padding tokens' slots are PAD_ID: dropped).
+    """
+    largest = spec.token_buckets[-1]
+
     def branch(size):
         def run(kv):
             meta = AttentionMetadata(slot_mapping=fb.slot_mapping[:size], positions=fb.positions[:size],
                                      seq_ids=fb.seq_rows[:size], block_tables=block_tables,
                                      context_lens=context_lens, logits_indices=sample_rows_index,
                                      num_valid=fb.num_valid)
-            return spec.forward(spec.graphdef, params, fb.tokens[:size], fb.positions[:size], meta, kv,
-                            spec.attention_impl)
+            logits, new_kv = spec.forward(spec.graphdef, params, fb.tokens[:size], fb.positions[:size], meta,
+                                          kv, spec.attention_impl)
+            pad = ((0, 0), (0, largest - size), (0, 0), (0, 0))
+            return logits, tuple(jnp.pad(x, pad) for x in new_kv)
         return run
 
     index = jnp.searchsorted(jnp.asarray(spec.token_buckets), fb.num_valid, side="left")
     index = jnp.clip(index, 0, len(spec.token_buckets) - 1)
-    return lax.switch(index, [branch(b) for b in spec.token_buckets], kv)
+    logits, (k, v) = lax.switch(index, [branch(b) for b in spec.token_buckets], kv)
+    return logits, kvc.write_layers(kv, k, v, fb.slot_mapping)
 
 
 def _suppress_stops(logits, rows: SamplingRows, row_g, outputs_before, eos):
     """vLLM's min_tokens: EOS (unless ignore_eos) and stop tokens cannot be sampled early."""
-    early = (outputs_before < rows.min_tokens[row_g])[:, None]
-    vocab = jnp.arange(logits.shape[1])[None, :]
-    banned = ((vocab == eos) & ~rows.ignore_eos[row_g][:, None]) | (
-        vocab[:, :, None] == rows.stop_token_ids[row_g][:, None, :]).any(-1)
-    return jnp.where(early & banned, -jnp.inf, logits)
+    early = outputs_before < rows.min_tokens[row_g]                      # [R]
+
+    def suppress(logits):
+        r = jnp.arange(logits.shape[0])[:, None]
+        stops = jnp.where(early[:, None], rows.stop_token_ids[row_g], -1)   # -1 pads: dropped below
+        eos_col = jnp.where(early & ~rows.ignore_eos[row_g], eos, -1)[:, None]
+        ids = jnp.concatenate([stops, eos_col], axis=1)
+        ids = jnp.where(ids >= 0, ids, logits.shape[1])                   # out of range: dropped
+        return logits.at[r, ids].set(-jnp.inf, mode="drop")
+
+    # Most steps have no row under its min_tokens: skip the [R, V] rewrite then.
+    return lax.cond(jnp.any(early), suppress, lambda x: x, logits)
 
 
 def step_impl(state: EngineState, params, new: NewRequests, now, spec: EngineSpec):

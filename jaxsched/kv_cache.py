@@ -133,6 +133,19 @@ def write_kv(
 write = jax.jit(write_kv, donate_argnums=0)
 
 
+def write_layers(cache: KVCache, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> KVCache:
+    """Scatter T tokens' K/V of every layer ([L, T, H_kv, D]) into flat slots [T] at once.
+
+    What the engine does after the model, which only reads the pools (see
+    jaxsched.attention's StepKV). Unjitted building block; slots past the pool are dropped.
+    """
+    block, offset = slot_mapping // cache.block_size, slot_mapping % cache.block_size
+    layer = jnp.arange(k.shape[0])[:, None]
+    new_k = cache.k.at[block[None, :], layer, offset[None, :]].set(k.astype(cache.k.dtype), mode="drop")
+    new_v = cache.v.at[block[None, :], layer, offset[None, :]].set(v.astype(cache.v.dtype), mode="drop")
+    return cache.replace(k=new_k, v=new_v)
+
+
 @functools.partial(jax.jit, donate_argnums=0)
 def copy_blocks(cache: KVCache, pairs: jax.Array, count: jax.Array) -> KVCache:
     """Copy-on-write: device block pairs[i, 0] -> pairs[i, 1] for i < count, every layer.

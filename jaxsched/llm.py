@@ -435,7 +435,7 @@ def _resolve_costs(engine_args: dict, sharded: bool) -> bool:
 
 def _place_model(model_config, tensors, instance, cap, tp, devices, attention_impl):
     """(graphdef, params, forward, kv cache, place-state fn) on one device or a TP mesh."""
-    from models.llama import LlamaForCausalLM, paged_forward
+    from models.llama import LlamaForCausalLM, paged_forward_new_kv
     mc = model_config
     dtype = jnp.dtype(mc.dtype)
     shape = (mc.num_hidden_layers, cap.num_device_blocks + 1, cap.num_host_blocks + 1, cap.block_size,
@@ -445,7 +445,7 @@ def _place_model(model_config, tensors, instance, cap, tp, devices, attention_im
             from models.loader import build_model
             instance = build_model(mc, tensors)
         graphdef, params = nnx.split(instance)
-        return graphdef, params, paged_forward, init_kv_cache(*shape, dtype=dtype), lambda st: st
+        return graphdef, params, paged_forward_new_kv, init_kv_cache(*shape, dtype=dtype), lambda st: st
     from jax.sharding import NamedSharding, PartitionSpec
     from jaxsched import sharding as sh
     sh.check_tensor_parallel(mc, tp)
@@ -457,7 +457,7 @@ def _place_model(model_config, tensors, instance, cap, tp, devices, attention_im
               else sh.shard_params(nnx.state(instance, nnx.Param), mc, mesh))
     kv = sh.init_sharded_kv_cache(mesh, *shape, dtype=dtype)
     fwd = sh.make_sharded_forward(mesh, sh.param_shardings(nnx.state(abstract, nnx.Param), mc, mesh),
-                                  impl=attention_impl)
+                                  impl=attention_impl, write_cache=False)
     forward = _MeshForward(fwd)
     replicated = NamedSharding(mesh, PartitionSpec())
 

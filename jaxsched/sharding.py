@@ -46,7 +46,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxsched import kv_cache as kc
-from models.llama import LlamaConfig, LlamaForCausalLM, check_hf_tensors, paged_forward
+from models.llama import LlamaConfig, LlamaForCausalLM, check_hf_tensors, paged_forward, paged_forward_new_kv
 
 AXES = ("data", "model")
 _COLUMN = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}  # output features split
@@ -176,9 +176,11 @@ def _slice_shape(shape: tuple, index: tuple) -> tuple:
 
 
 def make_sharded_forward(mesh: Mesh, param_shardings_tree, host_memory_kind: str | None = None,
-                         impl: str = "chunked") -> Callable:
+                         impl: str = "chunked", write_cache: bool = True) -> Callable:
     """`paged_forward` jitted for `mesh`: `(graphdef, params, tokens, positions, metadata,
-    kv_cache) -> (logits, kv_cache)`, all positional.
+    kv_cache) -> (logits, kv_cache)`, all positional. With `write_cache=False` it is
+    `paged_forward_new_kv` instead: `-> (logits, (k, v))`, the step's K/V [L, T, H_kv, D]
+    sharded by kv head like the cache, which is then only read (the engine writes them).
 
     in/out_shardings are explicit: params as `param_shardings_tree`, tokens, positions,
     metadata and logits replicated, the cache by kv head (its host pools in
@@ -190,9 +192,13 @@ def make_sharded_forward(mesh: Mesh, param_shardings_tree, host_memory_kind: str
         host_memory_kind = kc.host_memory_kind(mesh.devices.flat[0])
     replicated = NamedSharding(mesh, P())
     cache = kv_cache_shardings(mesh, host_memory_kind)
+    in_shardings = (param_shardings_tree, replicated, replicated, replicated, cache)
+    if not write_cache:
+        new_kv = NamedSharding(mesh, P(None, None, "model", None))
+        return jax.jit(functools.partial(paged_forward_new_kv, impl=impl), static_argnums=0,
+                       in_shardings=in_shardings, out_shardings=(replicated, (new_kv, new_kv)))
     return jax.jit(functools.partial(paged_forward, impl=impl), static_argnums=0,
-                   in_shardings=(param_shardings_tree, replicated, replicated, replicated, cache),
-                   out_shardings=(replicated, cache), donate_argnums=5)
+                   in_shardings=in_shardings, out_shardings=(replicated, cache), donate_argnums=5)
 
 
 # ----------------------------------------------------------------------------- weight loading

@@ -21,8 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxsched.attention import AttentionMetadata, paged_attention
-from jaxsched.kv_cache import KVCache, write_kv
+from jaxsched.attention import AttentionMetadata, StepKV, Visibility, paged_attention, step_visibility
+from jaxsched.kv_cache import KVCache, write_layers
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -166,11 +166,13 @@ class LlamaAttention(nnx.Module):
         v = self.v_proj(x).reshape(*x.shape[:-1], kv_heads, d)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def paged(self, x, cos, sin, layer: int, metadata: AttentionMetadata, cache: KVCache, impl: str):
+    def paged(self, x, cos, sin, layer: int, metadata: AttentionMetadata, cache: KVCache, impl: str,
+              visible: Visibility):
+        """Attention output [T, hidden] and the layer's new k, v [T, H_kv, D] (not yet written)."""
         q, k, v = self.qkv(x, cos, sin)
-        cache = write_kv(cache, layer, k, v, metadata.slot_mapping)  # write first: chunks see themselves
-        out = paged_attention(q, *cache.layer(layer), metadata, impl=impl)
-        return self.o_proj(out.reshape(x.shape[0], -1)), cache
+        out = paged_attention(q, cache.k, cache.v, metadata, impl=impl, layer=layer,
+                              new=StepKV(k, v, visible))
+        return self.o_proj(out.reshape(x.shape[0], -1)), k, v
 
     def dense(self, x, cos, sin):
         """Full causal attention over x: [B, T, hidden]."""
@@ -225,13 +227,18 @@ class LlamaForCausalLM(nnx.Module):
         return out.astype(jnp.float32)
 
     def paged(self, tokens, positions, metadata: AttentionMetadata, cache: KVCache, impl: str = "chunked"):
-        """tokens, positions: [T]. Returns final hidden states [T, hidden] and the new cache."""
+        """tokens, positions: [T]. Returns final hidden states [T, hidden] and this step's K and V,
+        each [L, T, H_kv, D]. The cache is only read: the caller writes the new K/V."""
         cos, sin = rope_cos_sin(self.config, positions)
+        visible = step_visibility(metadata, cache.block_size, cache.num_device_blocks)
         h = self.model.embed_tokens(tokens)
+        ks, vs = [], []
         for i, layer in enumerate(self.model.layers):
-            attn, cache = layer.self_attn.paged(layer.input_layernorm(h), cos, sin, i, metadata, cache, impl)
+            attn, k, v = layer.self_attn.paged(layer.input_layernorm(h), cos, sin, i, metadata, cache, impl, visible)
             h = layer.mlp_block(h + attn)
-        return h, cache
+            ks.append(k)
+            vs.append(v)
+        return h, jnp.stack(ks), jnp.stack(vs)
 
     def dense(self, tokens: jax.Array) -> jax.Array:
         """tokens: [B, T] -> logits [B, T, V], positions 0..T-1, causal, no cache."""
@@ -250,9 +257,23 @@ def paged_forward(graphdef, params, tokens, positions, metadata: AttentionMetada
     array for Llama, kept apart so position schemes (e.g. multimodal RoPE) can differ from
     cache order. Unjitted; `forward` is this function jitted with the cache donated.
     """
+    logits, (k, v) = paged_forward_new_kv(graphdef, params, tokens, positions, metadata, kv_cache, impl)
+    # The barrier orders the write after every read of the pools: otherwise XLA may schedule
+    # the scatter before the last layer's gathers and copy both pools to keep them apart.
+    logits, k, v = jax.lax.optimization_barrier((logits, k, v))
+    return logits, write_layers(kv_cache, k, v, metadata.slot_mapping)
+
+
+def paged_forward_new_kv(graphdef, params, tokens, positions, metadata: AttentionMetadata, kv_cache: KVCache,
+                         impl: str = "chunked"):
+    """`paged_forward` that leaves the cache alone: (logits, (k, v)), this step's K/V [L, T, H_kv, D].
+
+    The engine's forward: it writes the K/V itself, outside its token-bucket `lax.switch`,
+    so the pools stay read-only inside the branches (see jaxsched.attention).
+    """
     model = nnx.merge(graphdef, params)
-    hidden, kv_cache = model.paged(tokens, positions, metadata, kv_cache, impl)
-    return model.logits(hidden[metadata.logits_indices]), kv_cache
+    hidden, k, v = model.paged(tokens, positions, metadata, kv_cache, impl)
+    return model.logits(hidden[metadata.logits_indices]), (k, v)
 
 
 forward = jax.jit(paged_forward, static_argnames=("graphdef", "impl"), donate_argnames=("kv_cache",))

@@ -121,6 +121,20 @@ def test_engine__no_retrace_over_a_long_mixed_run(model):
         chex.clear_trace_counter()
 
 
+@pytest.mark.parametrize("impl", ["reference", "chunked"])
+def test_engine__step_never_copies_the_kv_pools(model, impl):
+    """The cache is donated and updated in place: XLA would copy a whole pool into every
+    token-bucket branch that wrote it, so the model only reads it and one scatter after the
+    switch writes the step's K/V. Read from the compiled step: no copy of a pool's shape."""
+    llm = make_llm(model, attention_impl=impl)
+    new, _ = llm._new_requests()
+    compiled = jax.jit(step_impl, static_argnames=("spec",), donate_argnums=(0,)).lower(
+        llm.state, llm.params, new, jnp.float32(0), spec=llm.spec).compile()
+    pool = "f32[" + ",".join(map(str, llm.state.kv.k.shape)) + "]"
+    copies = [line for line in compiled.as_text().splitlines() if f"= {pool}" in line and " copy(" in line]
+    assert not copies, copies[:2]
+
+
 def test_engine__bad_requests_fail_alone(model):
     llm = make_llm(model, num_device_blocks=8)
     llm.add_request("ok", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0))

@@ -10,10 +10,12 @@ from hypothesis import strategies as st
 from jaxsched import kv_cache as kc
 from jaxsched.attention import (
     AttentionMetadata,
+    StepKV,
     bucket,
     make_metadata,
     paged_attention,
     paged_decode_attention,
+    step_visibility,
 )
 
 NUM_LAYERS, NUM_BLOCKS, NUM_HOST_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM = 2, 16, 8, 4, 2, 8
@@ -183,3 +185,62 @@ def test_paged_decode_attention__equals_paged_attention():
     q = jnp.asarray(rng.standard_normal((3, 4, HEAD_DIM)), jnp.float32)
     got = paged_decode_attention(q, k_pool, v_pool, md.block_tables, md.context_lens)
     np.testing.assert_allclose(got, paged_attention(q, k_pool, v_pool, md, impl="reference"), atol=1e-5)
+
+
+def _multi_layer_pools(rng):
+    shape = (NUM_BLOCKS, NUM_LAYERS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    k, v = (rng.standard_normal(shape).astype(np.float32) for _ in range(2))
+    return k, v
+
+
+@pytest.mark.parametrize("impl,num_tokens", [("reference", 32), ("chunked", 32), ("chunked", 80)])
+def test_paged_attention__new_kv_beside_pools_equals_write_then_read(impl, num_tokens):
+    """The step's K/V given apart (pools unwritten) attend exactly like written-then-read ones,
+    through the whole multi-layer pools and a layer index. Rows 3 and 4 share block 13 (a
+    forked group's prompt) that row 3 writes this step while row 4 decodes past it: row 4
+    must see row 3's new keys through its own table."""
+    rng = np.random.default_rng(3)
+    k_all, v_all = _multi_layer_pools(rng)
+    tables = [[7, 2, 12], [4], [9, 15, 1, 3], [13, 6], [13, 10]]
+    num_computed, num_new = [0, 2, 9, 1, 5], [10, 1, 4, 3, 1]   # row 3 writes positions 1-3 of block 13
+    md = make_metadata(tables, num_computed, num_new, BLOCK_SIZE, 4, num_tokens=num_tokens, num_seqs=8)
+    t = md.positions.shape[0]
+    k_new, v_new = (jnp.asarray(rng.standard_normal((t, KV_HEADS, HEAD_DIM)), jnp.float32) for _ in range(2))
+    q = jnp.asarray(rng.standard_normal((t, 6, HEAD_DIM)), jnp.float32)
+    layer = 1
+    written = kc.write_kv(kc.KVCache(k=jnp.asarray(k_all), v=jnp.asarray(v_all), host_k=jnp.zeros(1), host_v=jnp.zeros(1)),
+                          layer, k_new, v_new, md.slot_mapping)
+    want = paged_attention(q, written.k[:, layer], written.v[:, layer], md, impl="reference")
+    visible = step_visibility(md, BLOCK_SIZE, NUM_BLOCKS)
+    got = paged_attention(q, jnp.asarray(k_all), jnp.asarray(v_all), md, impl=impl, layer=layer,
+                          new=StepKV(k_new, v_new, visible))
+    valid = int(md.num_valid)
+    np.testing.assert_allclose(got[:valid], want[:valid], atol=1e-5)
+    np.testing.assert_allclose(want[:valid], naive_attention(q, written.k[:, layer], written.v[:, layer], md)[:valid],
+                               atol=1e-5)
+    assert np.isfinite(np.asarray(got)).all()  # padding rows too
+
+
+def test_step_visibility__masks_own_slots_and_shared_blocks():
+    tables = [[5, 6], [5, 7]]   # rows share block 5
+    md = make_metadata(tables, [2, 4], [3, 1], BLOCK_SIZE, 2, num_tokens=8, num_seqs=2)
+    vis = step_visibility(md, BLOCK_SIZE, NUM_BLOCKS)
+    cached, new = np.asarray(vis.cached), np.asarray(vis.new)
+    # token 0 (row 0, position 2): cached keys 0, 1; position 2 is written this step
+    assert cached[0, :4].tolist() == [True, True, False, False]
+    # token 3 (row 1, position 4): cached 0, 1 of block 5; 2, 3 are row 0's new keys, seen as new
+    assert cached[3, :5].tolist() == [True, True, False, False, False]
+    assert new[3, :4].tolist() == [True, True, False, True]   # row 0's positions 2, 3; its own 4 (not row 0's 4)
+    assert not new[:, 4:].any()  # padding keys are never seen
+
+
+def test_write_layers__scatters_every_layer_and_drops_padding():
+    cache = kc.init_kv_cache(NUM_LAYERS, NUM_BLOCKS, NUM_HOST_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    slots = jnp.asarray([5 * BLOCK_SIZE + 1, kc.PAD_ID, 9 * BLOCK_SIZE + 3], jnp.int32)
+    k = jnp.arange(NUM_LAYERS * 3 * KV_HEADS * HEAD_DIM, dtype=jnp.float32).reshape(NUM_LAYERS, 3, KV_HEADS, HEAD_DIM) + 1
+    new = jax.jit(kc.write_layers, donate_argnums=0)(cache, k, -k, slots)
+    got_k, got_v = np.asarray(new.k), np.asarray(new.v)
+    for layer in range(NUM_LAYERS):
+        np.testing.assert_array_equal(got_k[5, layer, 1], k[layer, 0])
+        np.testing.assert_array_equal(got_v[9, layer, 3], -k[layer, 2])
+    assert np.count_nonzero(got_k) == 2 * NUM_LAYERS * KV_HEADS * HEAD_DIM  # padding dropped
