@@ -10,8 +10,9 @@ user text in SmolLM2's chat template) and output lengths drawn from 16-48 tokens
 runs greedy to exactly its own length (jaxsched: `ignore_eos`; transformers: no EOS), so both
 sides produce the same useful tokens.
 
-* jaxsched: one `LLM` (continuous batching, paged KV cache, chunked prefill), compiled by a
-  warm-up run first: compile time is reported apart and excluded from tokens/s.
+* jaxsched: one `LLM` (continuous batching, paged KV cache, chunked prefill), compiled and
+  each token bucket run once by `LLM.warm_up()` first: that time is reported apart and
+  excluded from tokens/s, as transformers' warm-up is.
 * transformers: one batched `generate(do_sample=False)` per size, left padding, with
   `max_new_tokens` = the longest request's; only each request's own tokens are counted
   (the tokens past a request's length and the padding are the cost of static batching).
@@ -114,12 +115,9 @@ def worker_jaxsched(spec: dict) -> dict:
     start = time.perf_counter()
     llm = LLM("smollm2-135m", **spec["engine_args"])
     load_s = time.perf_counter() - start
-    # Warm-up: compiles the step (every token bucket lives in one compiled switch).
-    warm = spec["workloads"][0]
-    start = time.perf_counter()
-    llm.generate(warm["prompts"][:4], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
-                 use_tqdm=False)
-    warmup_s = time.perf_counter() - start
+    # Warm-up: compiles the step (every token bucket lives in one compiled switch) and runs
+    # each bucket once (XLA:CPU's first run of a branch costs extra).
+    warmup_s = llm.warm_up()
     out = {"jax": jax.__version__, "backend": jax.default_backend(), "load_s": load_s,
            "compile_s": llm.stats()["compile_seconds"], "warmup_s": warmup_s, "runs": []}
     for w in spec["workloads"]:
@@ -248,7 +246,7 @@ def to_markdown(result: dict) -> str:
         f"Q4_1 GGUF dequantized to float32 on both sides; seed {result['seed']}; outputs "
         f"{OUTPUT_RANGE[0]}-{OUTPUT_RANGE[1]} tokens per request, each run to its own length. "
         f"jaxsched {jx['jax']} ({jx['backend']}): `LLM` with {json.dumps(result['engine_args'])}, "
-        f"compiled in a warm-up run ({jx['compile_s']:.0f} s first step, excluded). transformers "
+        f"compiled and each token bucket run once by `LLM.warm_up()` ({jx['compile_s']:.0f} s first step, excluded). transformers "
         f"{hf['transformers']} (torch {hf['torch']}, {hf['attn_implementation']}, "
         f"OMP_WAIT_POLICY={hf['omp_wait_policy']}): one batched `generate` per size, left padding, "
         f"max_new_tokens = the longest request's, at {' and '.join(threads)} torch threads. Each side "

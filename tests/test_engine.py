@@ -135,6 +135,28 @@ def test_engine__step_never_copies_the_kv_pools(model, impl):
     assert not copies, copies[:2]
 
 
+def test_engine__warm_up_runs_every_bucket_and_leaves_nothing_behind(model):
+    llm = make_llm(model)
+    ran = []
+    step = llm._step
+
+    def counting(*args):
+        state, out = step(*args)
+        ran.append(int(out.num_tokens))
+        return state, out
+
+    llm._step = counting
+    llm.warm_up()
+    buckets = llm.spec.token_buckets
+    hit = {buckets[int(np.searchsorted(buckets, n))] for n in ran}
+    assert hit == set(buckets)
+    assert not llm.has_unfinished()
+    check_invariants(llm.state.sched, llm.config)
+    assert int(np.asarray(llm.state.sched.device_ref).sum()) == 0   # every block back in the pool
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 2
+
+
 def test_engine__bad_requests_fail_alone(model):
     llm = make_llm(model, num_device_blocks=8)
     llm.add_request("ok", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0))
