@@ -117,14 +117,15 @@ class PreemptionCosts:
                          f"sequence of {len(FIELDS)} numbers, got {value!r}")
 
 
-# NOTE: the default is benchmarks/results/preemption_costs_cpu.json rounded: SmolLM2-135M,
-# float32, block_size 16, on the 2-core CPU the benchmarks run on (prefill 40 ms + 3.8 ms
-# per token, no measurable quadratic term up to 256 tokens; a block out and back in 0.095
-# ms). Load on that shared machine moves the prefill numbers by up to 2x between runs (an
-# earlier run fitted 80 ms + 2.0 ms/token), never the verdict: one block's 16 tokens cost
-# ~100 ms to prefill again and ~0.1 ms to swap, so with these costs `auto` swaps whenever
-# the host pool has room. An accelerator with a slow host link can turn that around (fast
-# prefill, slow copies): measure there (`measure_preemption_costs`) and pass the result.
+# NOTE: the default is a measurement of SmolLM2-135M, float32, block_size 16, on the 2-core
+# CPU the benchmarks run on, rounded (prefill 40 ms + 3.8 ms per token; a block out and back
+# in 0.095 ms). The engine's prefill has since become about 2x faster: the latest
+# measurement, benchmarks/results/preemption_costs_cpu.json, fits 29 ms + 1.6 ms/token (+ a
+# small quadratic term), and load on that shared machine moves prefill numbers by up to 2x
+# between runs. None of it changes the verdict: one block's 16 tokens cost tens of ms to
+# prefill again and ~0.1 ms to swap, so with these costs `auto` swaps whenever the host pool
+# has room. An accelerator with a slow host link can turn that around (fast prefill, slow
+# copies): measure there (`measure_preemption_costs`) and pass the result.
 DEFAULT_COSTS = PreemptionCosts(recompute_fixed=4e-2, recompute_per_token=3.8e-3,
                                 recompute_per_token_sq=0.0, swap_fixed=0.0, swap_per_block=9.5e-5)
 
@@ -190,9 +191,10 @@ def measure_preemption_costs(forward, graphdef, params, *, num_layers: int, num_
                              ) -> tuple[PreemptionCosts, dict]:
     """Time recompute and swap on the running backend; returns (fitted costs, measurements).
 
-    Recompute: the model's paged `forward(graphdef, params, tokens, positions, metadata,
-    kv_cache, impl)` (the engine's forward, e.g. models.llama.paged_forward) on one sequence
-    prefilling L tokens, for each L of `lengths` (one compile each). Swap: `kv_cache.swap_out`
+    Recompute: the engine's forward, `forward(graphdef, params, tokens, positions, metadata,
+    kv_cache, impl) -> (logits, (k, v))` (e.g. models.llama.paged_forward_new_kv, what
+    `EngineSpec.forward` holds), with the step's K/V then written as the engine writes them,
+    on one sequence prefilling L tokens, for each L of `lengths` (one compile each). Swap: `kv_cache.swap_out`
     then `swap_in` of k blocks on a cache of the model's block shape, for each k of `blocks`
     (one compile). Each point is the median of `reps` timed calls after a warm-up call.
     """
@@ -207,7 +209,11 @@ def measure_preemption_costs(forward, graphdef, params, *, num_layers: int, num_
     longest = max(lengths)
     width = math.ceil(longest / block_size)
     cache = [kvc.init_kv_cache(num_device_blocks=width + 1, num_host_blocks=1, **shape)]
-    run = jax.jit(forward, static_argnums=(0, 6), donate_argnums=(5,))
+    def prefill_step(graphdef, params, tokens, positions, metadata, kv_cache, impl):
+        logits, (k, v) = forward(graphdef, params, tokens, positions, metadata, kv_cache, impl)
+        return logits, kvc.write_layers(kv_cache, k, v, metadata.slot_mapping)
+
+    run = jax.jit(prefill_step, static_argnums=(0, 6), donate_argnums=(5,))
 
     def prefill(length: int):
         table = jnp.arange(1, width + 1, dtype=jnp.int32)[None]      # block 0 is the null block

@@ -178,14 +178,14 @@ def test_auto__default_costs_match_the_reference():
 # ----------------------------------------------------------------------------- measuring
 
 def test_measure__times_a_tiny_model_and_fits_non_negative_costs():
-    from models.llama import LlamaConfig, LlamaForCausalLM, paged_forward
+    from models.llama import LlamaConfig, LlamaForCausalLM, paged_forward_new_kv
 
     mc = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
                      max_position_embeddings=256)
     graphdef, params = nnx.split(LlamaForCausalLM(mc, nnx.Rngs(0)))
     costs, measured = measure_preemption_costs(
-        paged_forward, graphdef, params, num_layers=2, num_kv_heads=2, head_dim=mc.head_dim,
+        paged_forward_new_kv, graphdef, params, num_layers=2, num_kv_heads=2, head_dim=mc.head_dim,
         block_size=4, lengths=(8, 32, 128), blocks=(1, 4, 16), reps=2, impl="reference")
     assert measured["lengths"] == [8, 32, 128] and measured["blocks"] == [1, 4, 16]
     assert all(t > 0 for t in measured["recompute_seconds"] + measured["swap_seconds"])
