@@ -33,6 +33,7 @@ class FlatBatch(NamedTuple):
     sample_mask: jax.Array     # bool[G, S] sequences that sample this step
     sample_index: jax.Array    # int32[G, S] flat index of the token whose logits they sample from
     sample_position: jax.Array  # int32[G, S] position the sampled token will take
+    done_after: jax.Array      # int32[G] each group's prefill progress after this step
 
 
 def flat_batch(sched, out, token_ids, max_tokens: int, block_size: int) -> FlatBatch:
@@ -100,4 +101,5 @@ def flat_batch(sched, out, token_ids, max_tokens: int, block_size: int) -> FlatB
                      seq_rows=jnp.where(valid, grp * s + seq, 0).astype(jnp.int32),
                      num_valid=total, sample_mask=sample_mask,
                      sample_index=sample_index.astype(jnp.int32),
-                     sample_position=sample_position.astype(jnp.int32))
+                     sample_position=sample_position.astype(jnp.int32),
+                     done_after=done_after.astype(jnp.int32))

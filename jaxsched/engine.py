@@ -258,8 +258,7 @@ def step_impl(state: EngineState, params, new: NewRequests, now, spec: EngineSpe
     # wait in `pending` until the whole prefill is done (SPEC B1).
     pending = jnp.where(fb.sample_mask, new_tok, state.pending)
     pending_lp = jnp.where(fb.sample_mask, new_lp, state.pending_logprob)
-    done_after = sched.prefill_done + jnp.where(out.is_prefill, out.num_scheduled_tokens, 0)
-    completes = out.scheduled & (~out.is_prefill | (done_after >= sched.prefill_total))
+    completes = out.scheduled & (~out.is_prefill | (fb.done_after >= sched.prefill_total))
     final_tok = jnp.where(completes[:, None], pending, 0)
 
     fork = completes & ~sched.forked & (sched.n > 1)

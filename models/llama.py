@@ -6,7 +6,9 @@ is `model.model.layers[3].self_attn.q_proj.kernel` (transposed: HF Linear weight
 
   forward(graphdef, params, tokens, positions, metadata, kv_cache) -> (logits, kv_cache)
       the serving step: a flat ragged batch through the paged cache, jitted, cache donated
-      (`paged_forward` is the same function unjitted, to wrap in your own jit);
+      (`paged_forward` is the same function unjitted, to wrap in your own jit;
+      `paged_forward_new_kv` returns the step's K/V instead of writing them, for callers
+      such as the engine that write the cache themselves);
   dense_forward(model, tokens[B, T]) -> logits[B, T, V]
       plain full-sequence causal attention, no cache: the reference the paged path must match.
 """
