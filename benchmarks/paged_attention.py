@@ -24,12 +24,12 @@ import math
 import os
 import pathlib
 import platform
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from _common import save_results, time_interleaved
 from jaxsched import kv_cache as kc
 from jaxsched.attention import AttentionMetadata, paged_attention
 
@@ -58,21 +58,6 @@ def decode_metadata(block_tables: np.ndarray, ctx: int) -> AttentionMetadata:
         seq_ids=jnp.arange(b, dtype=jnp.int32), block_tables=jnp.asarray(block_tables),
         context_lens=jnp.full((b,), ctx, jnp.int32), logits_indices=jnp.arange(b, dtype=jnp.int32),
         num_valid=jnp.int32(b))
-
-
-def time_interleaved(calls: dict, reps: int, inner: int = 3) -> tuple[dict[str, float], dict[str, float]]:
-    """(median, min) seconds per call of each zero-argument callable, rounds interleaved."""
-    for call in calls.values():
-        jax.block_until_ready(call())
-    samples = {name: [] for name in calls}
-    for _ in range(reps):
-        for name, call in calls.items():
-            start = time.perf_counter()
-            for _ in range(inner):
-                jax.block_until_ready(call())
-            samples[name].append((time.perf_counter() - start) / inner)
-    return ({name: float(np.median(s)) for name, s in samples.items()},
-            {name: float(np.min(s)) for name, s in samples.items()})
 
 
 def bench_attention(batch: int, ctx: int, reps: int, rng) -> dict:
@@ -183,10 +168,7 @@ def main():
     result["load_average"] = [load_before, os.getloadavg()[0]]  # 1-min load, before and after
     markdown = to_markdown(result)
     if not args.quick:
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        stem = RESULTS / f"paged_attention_{result['backend']}"
-        stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-        stem.with_suffix(".md").write_text(markdown)
+        save_results(f"paged_attention_{result['backend']}", result, markdown)
     print(json.dumps(result, indent=2) if args.json else markdown)
 
 

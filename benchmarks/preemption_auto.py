@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from _common import save_results  # noqa: E402
 from jaxsched.llm import LLM  # noqa: E402
 from jaxsched.params import SamplingParams  # noqa: E402
 from models.loader import build_model, load_weights  # noqa: E402
@@ -235,8 +236,7 @@ def main():
     }
     markdown = to_markdown(result)
     if not args.quick:
-        (RESULTS / "preemption_auto.json").write_text(json.dumps(result, indent=2) + "\n")
-        (RESULTS / "preemption_auto.md").write_text(markdown)
+        save_results("preemption_auto", result, markdown)
     print(markdown)
 
 

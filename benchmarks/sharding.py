@@ -25,7 +25,6 @@ import json  # noqa: E402
 import pathlib  # noqa: E402
 import platform  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
@@ -34,6 +33,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from _common import save_results, time_interleaved  # noqa: E402
 from jaxsched import sharding as sh  # noqa: E402
 from jaxsched.attention import make_metadata  # noqa: E402
 from models import llama  # noqa: E402
@@ -91,20 +91,6 @@ def llama3_8b_param_bytes(mesh) -> int:
                for a, s in zip(jax.tree.leaves(state), jax.tree.leaves(shardings)))
 
 
-def time_interleaved(calls: dict, reps: int, inner: int = 3) -> tuple[dict, dict]:
-    """(median, min) seconds per call of each zero-argument callable, rounds interleaved."""
-    for call in calls.values():
-        jax.block_until_ready(call())
-    samples = {name: [] for name in calls}
-    for _ in range(reps):
-        for name, call in calls.items():
-            start = time.perf_counter()
-            for _ in range(inner):
-                jax.block_until_ready(call())
-            samples[name].append((time.perf_counter() - start) / inner)
-    return ({n: float(np.median(s)) for n, s in samples.items()}, {n: float(np.min(s)) for n, s in samples.items()})
-
-
 def mib(n: int) -> str:
     return f"{n / 2**20:.2f}"
 
@@ -145,9 +131,7 @@ def main():
               "rows": rows, "load_average": [load_before, os.getloadavg()[0]]}
     markdown = to_markdown(result)
     if not args.quick:
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        (RESULTS / "sharding.json").write_text(json.dumps(result, indent=2) + "\n")
-        (RESULTS / "sharding.md").write_text(markdown)
+        save_results("sharding", result, markdown)
     print(json.dumps(result, indent=2) if args.json else markdown)
 
 

@@ -59,6 +59,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from _common import save_results  # noqa: E402
 from jaxsched.llm import LLM  # noqa: E402
 from jaxsched.params import SamplingParams  # noqa: E402
 from models.llama import LlamaConfig, LlamaForCausalLM  # noqa: E402
@@ -242,9 +243,7 @@ def main():
     }
     markdown = to_markdown(result)
     if not args.quick:
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        (RESULTS / "throughput.json").write_text(json.dumps(result, indent=2) + "\n")
-        (RESULTS / "throughput.md").write_text(markdown)
+        save_results("throughput", result, markdown)
     if args.json:
         print(json.dumps(result))
         log(markdown)

@@ -42,6 +42,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 RESULTS = pathlib.Path(__file__).parent / "results"
 
+from _common import save_results  # noqa: E402
+
 SEED = 0
 OUTPUT_RANGE = (16, 48)
 BLOCK_SIZE = 16
@@ -316,9 +318,7 @@ def main():
     }
     markdown = to_markdown(result)
     if not args.quick:
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        (RESULTS / "vs_transformers.json").write_text(json.dumps(result, indent=2) + "\n")
-        (RESULTS / "vs_transformers.md").write_text(markdown)
+        save_results("vs_transformers", result, markdown)
     print(json.dumps(result, indent=2) if args.json else markdown)
 
 
