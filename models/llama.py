@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 from jaxsched.attention import AttentionMetadata, StepKV, Visibility, paged_attention, step_visibility
-from jaxsched.kv_cache import KVCache, write_layers
+from jaxsched.kv_cache import KVCache, write_kv
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -169,12 +169,20 @@ class LlamaAttention(nnx.Module):
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def paged(self, x, cos, sin, layer: int, metadata: AttentionMetadata, cache: KVCache, impl: str,
-              visible: Visibility):
-        """Attention output [T, hidden] and the layer's new k, v [T, H_kv, D] (not yet written)."""
+              visible: Visibility | None):
+        """(attention output [T, hidden], the layer's new k and v [T, H_kv, D], cache).
+
+        `visible` None: write the new K/V into the cache first, then read everything from it.
+        Otherwise the cache is only read and the new K/V attend beside it (StepKV).
+        """
         q, k, v = self.qkv(x, cos, sin)
-        out = paged_attention(q, cache.k, cache.v, metadata, impl=impl, layer=layer,
-                              new=StepKV(k, v, visible))
-        return self.o_proj(out.reshape(x.shape[0], -1)), k, v
+        new = None
+        if visible is None:
+            cache = write_kv(cache, layer, k, v, metadata.slot_mapping)
+        else:
+            new = StepKV(k, v, visible)
+        out = paged_attention(q, cache.k, cache.v, metadata, impl=impl, layer=layer, new=new)
+        return self.o_proj(out.reshape(x.shape[0], -1)), k, v, cache
 
     def dense(self, x, cos, sin):
         """Full causal attention over x: [B, T, hidden]."""
@@ -228,19 +236,27 @@ class LlamaForCausalLM(nnx.Module):
         out = self.model.embed_tokens.attend(h) if self.lm_head is None else self.lm_head(h)
         return out.astype(jnp.float32)
 
-    def paged(self, tokens, positions, metadata: AttentionMetadata, cache: KVCache, impl: str = "chunked"):
-        """tokens, positions: [T]. Returns final hidden states [T, hidden] and this step's K and V,
-        each [L, T, H_kv, D]. The cache is only read: the caller writes the new K/V."""
+    def paged(self, tokens, positions, metadata: AttentionMetadata, cache: KVCache, impl: str = "chunked",
+              write: bool = False):
+        """tokens, positions: [T]. Returns final hidden states [T, hidden], this step's K and V
+        (each [L, T, H_kv, D]) and the cache.
+
+        write=False: the cache is only read and comes back as it was; the caller writes the
+        K/V (the engine, after its token-bucket switch). write=True: each layer writes its
+        K/V and then reads them back through the cache, so XLA updates the donated pools in
+        place with no write left to order after the last read.
+        """
         cos, sin = rope_cos_sin(self.config, positions)
-        visible = step_visibility(metadata, cache.block_size, cache.num_device_blocks)
+        visible = None if write else step_visibility(metadata, cache.block_size, cache.num_device_blocks)
         h = self.model.embed_tokens(tokens)
         ks, vs = [], []
         for i, layer in enumerate(self.model.layers):
-            attn, k, v = layer.self_attn.paged(layer.input_layernorm(h), cos, sin, i, metadata, cache, impl, visible)
+            attn, k, v, cache = layer.self_attn.paged(layer.input_layernorm(h), cos, sin, i, metadata, cache, impl,
+                                                      visible)
             h = layer.mlp_block(h + attn)
             ks.append(k)
             vs.append(v)
-        return h, jnp.stack(ks), jnp.stack(vs)
+        return h, jnp.stack(ks), jnp.stack(vs), cache
 
     def dense(self, tokens: jax.Array) -> jax.Array:
         """tokens: [B, T] -> logits [B, T, V], positions 0..T-1, causal, no cache."""
@@ -259,11 +275,9 @@ def paged_forward(graphdef, params, tokens, positions, metadata: AttentionMetada
     array for Llama, kept apart so position schemes (e.g. multimodal RoPE) can differ from
     cache order. Unjitted; `forward` is this function jitted with the cache donated.
     """
-    logits, (k, v) = paged_forward_new_kv(graphdef, params, tokens, positions, metadata, kv_cache, impl)
-    # The barrier orders the write after every read of the pools: otherwise XLA may schedule
-    # the scatter before the last layer's gathers and copy both pools to keep them apart.
-    logits, k, v = jax.lax.optimization_barrier((logits, k, v))
-    return logits, write_layers(kv_cache, k, v, metadata.slot_mapping)
+    model = nnx.merge(graphdef, params)
+    hidden, _, _, kv_cache = model.paged(tokens, positions, metadata, kv_cache, impl, write=True)
+    return model.logits(hidden[metadata.logits_indices]), kv_cache
 
 
 def paged_forward_new_kv(graphdef, params, tokens, positions, metadata: AttentionMetadata, kv_cache: KVCache,
@@ -274,7 +288,7 @@ def paged_forward_new_kv(graphdef, params, tokens, positions, metadata: Attentio
     so the pools stay read-only inside the branches (see jaxsched.attention).
     """
     model = nnx.merge(graphdef, params)
-    hidden, k, v = model.paged(tokens, positions, metadata, kv_cache, impl)
+    hidden, k, v, _ = model.paged(tokens, positions, metadata, kv_cache, impl)
     return model.logits(hidden[metadata.logits_indices]), (k, v)
 
 

@@ -115,11 +115,21 @@ def test_forward__prefill_then_decodes_matches_dense(model):
         np.testing.assert_allclose(runner.step({"a": [tokens[i]]})["a"], want[i], atol=ATOL)
 
 
+def _new_kv_then_write(graphdef, params, tokens, positions, metadata, kv_cache, impl):
+    """The engine's way: the model only reads the cache; its K/V are written afterwards."""
+    logits, (k, v) = llama.paged_forward_new_kv(graphdef, params, tokens, positions, metadata, kv_cache, impl)
+    return logits, kc.write_layers(kv_cache, k, v, metadata.slot_mapping)
+
+
+new_kv_forward = jax.jit(_new_kv_then_write, static_argnames=("graphdef", "impl"), donate_argnames=("kv_cache",))
+
+
+@pytest.mark.parametrize("path", ["write-through", "new-kv"])
 @pytest.mark.parametrize("impl", ["chunked", "reference"])
-def test_forward__ragged_mixed_batch_matches_dense(model, impl):
+def test_forward__ragged_mixed_batch_matches_dense(model, impl, path):
     seqs = {name: make_tokens(n, seed) for name, n, seed in [("prefill", 14, 6), ("chunked", 20, 7), ("decode", 17, 8)]}
     want = {name: dense_logits(model, t) for name, t in seqs.items()}
-    runner = PagedRunner(model, impl, seed=9)
+    runner = PagedRunner(model, impl, seed=9, forward=llama.forward if path == "write-through" else new_kv_forward)
     runner.step({"chunked": seqs["chunked"][:6], "decode": seqs["decode"][:12]})
     for i in range(5):  # one prefill, one chunk, one decode per step, all in one flat batch
         batch = {"decode": [seqs["decode"][12 + i]], "chunked": seqs["chunked"][6 + 2 * i: 8 + 2 * i]}
@@ -157,6 +167,18 @@ def test_forward__no_retrace_across_100_decodes_in_one_bucket():
             runner.step(batch)
     finally:
         chex.clear_trace_counter()
+
+
+def test_forward__updates_the_donated_pools_in_place():
+    """No copy of a whole pool in the compiled forward: each layer writes its K/V into the
+    donated cache and reads them back (a pool read after a pending write would be copied)."""
+    model = llama.LlamaForCausalLM(make_config(), nnx.Rngs(0))
+    runner = PagedRunner(model)
+    md = make_metadata([[1, 2]], [0], [5], BLOCK_SIZE, MAX_BLOCKS, NUM_TOKENS, NUM_SEQS)
+    text = llama.forward.lower(runner.graphdef, runner.params, jnp.zeros((NUM_TOKENS,), jnp.int32), md.positions,
+                               md, runner.cache, impl="chunked").compile().as_text()
+    pool = "f32[" + ",".join(map(str, runner.cache.k.shape)) + "]"
+    assert not [line for line in text.splitlines() if f"= {pool}" in line and " copy(" in line]
 
 
 def test_forward__donates_the_cache():
