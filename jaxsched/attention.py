@@ -256,12 +256,13 @@ def _new_partial(qg: jax.Array, new: StepKV) -> _Partial:
 
 
 def _grouped_partial(qg, k_pool, v_pool, rows, visible, layer) -> _Partial:
-    """`_chunked_partial` over groups of _TOKEN_GROUP consecutive tokens.
+    """`_chunked_partial` over groups of _TOKEN_GROUP consecutive tokens, one after another.
 
-    Each group loops only as far as its own longest cached context: a step that mixes
-    decodes of long sequences with fresh prefill chunks no longer makes every prefill token
-    gather the decodes' contexts (the engine's flat batch puts decodes first, so they share
-    groups). Tokens past T are padding that sees nothing.
+    Each group loops only as far as its own longest cached context, so in a step that mixes
+    decodes of long sequences with fresh prefill chunks the prefill tokens do not gather the
+    decodes' contexts (the engine's flat batch puts decodes first, so they share groups).
+    `lax.map` keeps one loop body for all groups: smaller programs, and XLA:CPU's first-run
+    cost is paid once per layer, not per group. Tokens past T are padding that sees nothing.
     """
     t = qg.shape[0]
     if t <= _TOKEN_GROUP:
