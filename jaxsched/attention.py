@@ -150,14 +150,15 @@ def take_blocks(pool: jax.Array, ids: jax.Array, layer: int | jax.Array | None) 
 
     One gather of contiguous block_size * H_kv * D rows either way.
     """
-    # Blocks gathered as flat rows: XLA:CPU copies a [1, n] slice as one vectorised run,
-    # a [1, block_size, H_kv, D] one element by element (measured 2x slower).
-    block_shape = pool.shape[-3:]
-    if layer is None:
-        rows = pool.reshape(pool.shape[0], -1)[ids]
-    else:
-        rows = pool.reshape(pool.shape[:2] + (-1,))[ids, layer]
-    return rows.reshape(ids.shape + block_shape)
+    # Gathered as rows of a 2-D [slots, H_kv * D] view: XLA:CPU copies [1, n] slices in
+    # vectorised runs, [block_size, H_kv, D] ones element by element (measured 1.5-2x
+    # slower). Heads stay the major part of a row, so a pool sharded by kv head stays sharded.
+    block_size, num_kv_heads, head_dim = pool.shape[-3:]
+    layers = 1 if layer is None else pool.shape[1]
+    first = (ids * layers + (0 if layer is None else layer)) * block_size     # [*ids.shape]
+    slots = first[..., None] + jnp.arange(block_size)                         # [*ids.shape, bs]
+    rows = pool.reshape(-1, num_kv_heads * head_dim)[slots]
+    return rows.reshape(ids.shape + (block_size, num_kv_heads, head_dim))
 
 
 def _group_heads(q: jax.Array, num_kv_heads: int) -> jax.Array:
