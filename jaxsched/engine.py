@@ -140,7 +140,7 @@ class EngineSpec:
         return self._hash
 
 
-def token_buckets(max_num_batched_tokens: int, smallest: int = 16) -> tuple[int, ...]:
+def token_buckets(max_num_batched_tokens: int, smallest: int = 8) -> tuple[int, ...]:
     out, b = [], smallest
     while b < max_num_batched_tokens:
         out.append(b)
