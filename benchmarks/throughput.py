@@ -115,14 +115,9 @@ def workload(num: int, output_len: tuple[int, int], seed: int = SEED):
     return prompts, params
 
 
-def warm_up(llm: LLM) -> float:
-    """`LLM.warm_up()`: the first in the process compiles the engine, and each runs every bucket."""
-    return llm.warm_up()
-
-
 def run_once(model, name: str, limits: dict, prompts, params) -> tuple[dict, list]:
     llm = LLM(model, seed=SEED, **CAPACITY, **limits)
-    warm = warm_up(llm)
+    warm = llm.warm_up()
     before = llm.stats()
     cpu0, start = time.process_time(), time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -212,7 +207,7 @@ def main():
     model = LlamaForCausalLM(MODEL, nnx.Rngs(SEED))
 
     # Warm-up: the first engine compiles the step (every token bucket) for the shared capacity.
-    compile_seconds = warm_up(LLM(model, seed=SEED, **CAPACITY, **RUNS["large"]))
+    compile_seconds = LLM(model, seed=SEED, **CAPACITY, **RUNS["large"]).warm_up()  # compiles once
     log(f"compiled in {compile_seconds:.1f} s")
 
     runs = []
