@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxsched.block_pool import add_refs, free_list, mask_rank, take_ranked, write_pairs
+from jaxsched.block_pool import (add_refs, exclusive_cumsum, free_list, mask_rank, take_ranked,
+                                 write_pairs)
 from jaxsched.config import Capacity
 
 # Rows of the step's block-pair lists, int32[3, P, 2] (see SchedulerOutput).
@@ -57,7 +58,14 @@ class Blocks(NamedTuple):
 
 
 def _admitted_entries(seq_alive, num_tokens, d, admitted, width, block_size):
-    """(valid, holder) of the new tables of admitted groups; prompt blocks shared (SPEC B1)."""
+    """(valid, holder, num_blocks, rank) of the new tables of admitted groups; prompt blocks
+    shared (SPEC B1).
+
+    A sequence's own (fresh) entries are one run of positions [lo, num_blocks): lo is 0
+    for the leader and the shared prompt blocks for the others. So `rank`, the number of
+    fresh entries before each one in flat order, is a prefix sum over the G * S rows plus
+    the position in the run, not one over all G * S * M entries.
+    """
     s = seq_alive.shape[1]
     seq = jnp.arange(s, dtype=jnp.int32)[None, :, None]
     pos = jnp.arange(width)[None, None, :]
@@ -66,32 +74,47 @@ def _admitted_entries(seq_alive, num_tokens, d, admitted, width, block_size):
     shared = jnp.where((d["n_live"] > 1)[:, None] & ~is_leader, d["prompt_blocks"][:, None], 0)
     holder = jnp.where(pos < shared[..., None], d["leader"][:, None, None].astype(jnp.int32), seq)
     valid = admitted[:, None, None] & seq_alive[..., None] & (pos < num_blocks[..., None])
-    return valid, holder, num_blocks
+    own = jnp.where(admitted[:, None] & seq_alive, jnp.maximum(num_blocks - shared, 0), 0)
+    row_start = exclusive_cumsum(own.reshape(-1), bound=own.size * width).reshape(own.shape)
+    rank = row_start[..., None] + pos - shared[..., None]
+    return valid, holder, num_blocks, rank
 
 
 def _fresh_tables(blk: Blocks, pairs, host_table, seq_alive, num_tokens, d, share, blocks,
                   first_rank, admitted, swapped_in, swap_ignored, block_size):
-    """New tables of admitted and swapped-in groups; swapped groups leave the host pool."""
+    """New tables of admitted and swapped-in groups; swapped groups leave the host pool.
+
+    Steps that only admit (the common case) rank the fresh entries row by row and skip the
+    host pool and the swap-in pair list (a `lax.cond`).
+    """
     g, s, width = blk.block_table.shape
     valid, holder, is_first = share
-    adm_valid, adm_holder, adm_blocks = _admitted_entries(seq_alive, num_tokens, d, admitted,
-                                                          width, block_size)
+    adm_valid, adm_holder, adm_blocks, adm_rank = _admitted_entries(
+        seq_alive, num_tokens, d, admitted, width, block_size)
     seq = jnp.arange(s, dtype=jnp.int32)[None, :, None]
     swap_valid = valid & swapped_in[:, None, None]
     swap_fresh = swap_valid & is_first
-    fresh = (adm_valid & (adm_holder == seq)) | swap_fresh
+    adm_fresh = adm_valid & (adm_holder == seq)
+    fresh = adm_fresh | swap_fresh
     new_valid = adm_valid | swap_valid
     holder = jnp.where(admitted[:, None, None], adm_holder, holder)
-    fresh_rank = first_rank + mask_rank(fresh)
-    fresh_id = take_ranked(blocks, fresh_rank, fresh)
+    leaving_host = valid & (swapped_in | swap_ignored)[:, None, None]
 
+    def with_swaps(pairs):
+        fresh_id = take_ranked(blocks, first_rank + mask_rank(fresh), fresh)
+        host_ref = add_refs(blk.host_ref, host_table, leaving_host, -1)
+        pairs, count = write_pairs(pairs, SWAP_IN, host_table, fresh_id, swap_fresh)
+        return fresh_id, host_ref, pairs, count
+
+    def admissions_only(pairs):
+        return take_ranked(blocks, first_rank + adm_rank, adm_fresh), blk.host_ref, pairs, jnp.int32(0)
+
+    fresh_id, host_ref, pairs, count = lax.cond((swapped_in | swap_ignored).any(), with_swaps,
+                                                admissions_only, pairs)
     mapped = jnp.where(new_valid, jnp.take_along_axis(fresh_id, holder, axis=1), 0)
     table = jnp.where((admitted | swapped_in)[:, None, None], mapped, blk.block_table)
     num_blocks = jnp.where(admitted[:, None], adm_blocks, blk.num_blocks)
     device_ref = add_refs(blk.device_ref, mapped, new_valid, 1)
-    leaving_host = valid & (swapped_in | swap_ignored)[:, None, None]
-    host_ref = add_refs(blk.host_ref, host_table, leaving_host, -1)
-    pairs, count = write_pairs(pairs, SWAP_IN, host_table, fresh_id, swap_fresh)
     return Blocks(table, num_blocks, device_ref, host_ref), pairs, count
 
 

@@ -20,6 +20,8 @@ NOTE: under `jax.vmap` the scheduler's `lax.cond` skips turn into selects that c
 branches, so every vmapped step costs a worst-case step. On an accelerator the vmap still
 wins; on CPU a `lax.map` over runs inside the same compiled call is faster, and it also
 skips the chunks of runs that have drained. `vmap_runs` picks (default: by backend).
+On CPU the runs are also split into one shard per core, each stepped by the same compiled
+call on its own host thread (`threads`).
 
 Request slots are a static size too. A sweep starts with a modest number of slots and, if
 some run ever has more requests alive than slots, doubles them and starts over (one more
@@ -27,10 +29,12 @@ compile); results never depend on the slot count, only the speed does.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import itertools
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -269,15 +273,39 @@ def sweep_chunk(carry, cols, arrival_time, start, times, cap, width, vmap_runs):
     return lax.map(run, carry, batch_size=vmap_runs)
 
 
-def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: int, progress: bool):
+def default_threads() -> int:
+    """Host threads a sweep uses by default: the usable CPU cores on the CPU backend, where
+    each thread steps its own shard of runs; 1 on an accelerator (one vmap steps them all)."""
+    if jax.default_backend() != "cpu":
+        return 1
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:          # not on Linux
+        return os.cpu_count() or 1
+
+
+def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: int, progress: bool,
+            threads: int = 1):
     """Run every config to the end; (records [runs, T, NUM_COLS], per_request [runs, 2, N]) or
-    None when some run had more requests alive than slots."""
+    None when some run had more requests alive than slots.
+
+    With `threads` > 1 the runs are split into that many equal shards, each stepped by its
+    own compiled call on a host thread (XLA releases the GIL while it runs); a short last
+    shard is padded with drained runs, which skip every chunk, so every shard has one shape
+    and one compile serves them all.
+    """
     from tqdm.auto import tqdm
 
     cap_config = dataclasses.replace(configs[0], **cap)
     base = init_state(cap_config)
-    state = jax.tree.map(lambda *xs: jnp.stack(xs), *[set_limits(base, c) for c in configs])
     reqs, runs = trace.requests, len(configs)
+    shards = max(1, min(threads, runs))
+    size = -(-runs // shards)
+    limits = [set_limits(base, c) for c in configs]
+    state = jax.tree.map(lambda *xs: jnp.stack(xs), *(limits + limits[:1] * (size * shards - runs)))
+    # A padding run starts drained (every request has a finish step): it skips every chunk.
+    per_request = np.full((size * shards, 2, len(reqs)), -1, np.int32)
+    per_request[runs:] = 0
     steps = np.array([r["arrival_step"] for r in reqs])
     order = np.argsort(steps, kind="stable")
     cols = np.array([[r[k] for r in reqs] for k in ("arrival_step", "prompt_len", "n", "max_tokens")])
@@ -285,16 +313,28 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
     arrival_time = np.array([s * trace.step_time for s in steps[order]]).astype(np.float32)
     cols, arrival_time = jax.device_put(cols), jax.device_put(arrival_time)
     width = _pow2(max(8, np.bincount(steps).max()))
-    carry = (state, jnp.full((runs, 2, len(reqs)), -1, jnp.int32))
+    carries = [(jax.tree.map(lambda x: x[i * size:(i + 1) * size], state),
+                jnp.asarray(per_request[i * size:(i + 1) * size])) for i in range(shards)]
     done, last, chunks, start = np.zeros(runs, np.int64), np.zeros(runs, np.int64), [], 0
-    with tqdm(total=runs * len(reqs), disable=not progress, desc="sweep", unit="req") as bar:
+
+    def advance(carry, start, times):
+        carry, rec = sweep_chunk(carry, cols, arrival_time, jnp.int32(start), times,
+                                 cap=cap_config.capacity(), width=width,
+                                 vmap_runs=min(vmap_runs, size))
+        return carry, np.asarray(rec)
+
+    with tqdm(total=runs * len(reqs), disable=not progress, desc="sweep", unit="req") as bar, \
+            concurrent.futures.ThreadPoolExecutor(shards) as pool:
         while (done < len(reqs)).any():
             if start >= trace.max_steps:
                 break
             times = np.arange(start, start + CHUNK_STEPS, dtype=np.float32) * trace.step_time
-            carry, rec = sweep_chunk(carry, cols, arrival_time, jnp.int32(start), times,
-                                     cap=cap_config.capacity(), width=width, vmap_runs=vmap_runs)
-            rec = np.asarray(rec)
+            if start == 0:      # the first call compiles; the other shards reuse it
+                out = [advance(c, start, times) for c in carries]
+            else:
+                out = list(pool.map(lambda c: advance(c, start, times), carries))
+            carries = [c for c, _ in out]
+            rec = np.concatenate([r for _, r in out])[:runs]
             if rec[:, :, C_OVERFLOW].any():
                 return None
             chunks.append(rec)
@@ -307,7 +347,8 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
     bad = np.nonzero((done < len(reqs)) | (last >= trace.max_steps))[0]
     if bad.size:
         _unfinished(trace, configs, bad)
-    return np.concatenate(chunks, axis=1), np.asarray(carry[1])
+    per_request = np.concatenate([np.asarray(c[1]) for c in carries])[:runs]
+    return np.concatenate(chunks, axis=1), per_request
 
 
 def _unfinished(trace, configs, bad):
@@ -321,8 +362,8 @@ def _unfinished(trace, configs, bad):
 # ----------------------------------------------------------------------------- the front end
 
 def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
-          vmap_runs: int | None = None, progress: bool = True, preemption_costs=None,
-          **axes) -> list[dict]:
+          vmap_runs: int | None = None, threads: int | None = None, progress: bool = True,
+          preemption_costs=None, **axes) -> list[dict]:
     """Replay `trace` under every combination of the given limit lists; one row per run.
 
     Axes are any of SWEEP_FIELDS (preemption_mode, max_num_seqs, num_device_blocks,
@@ -336,6 +377,8 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
     seconds per step), rows also give seconds: the summed per-step costs. `vmap_runs`
     is how many runs one jax.vmap steps together (default: all on an accelerator, 1 on CPU,
     where looping over runs inside the compiled call is faster; see `sweep_chunk`).
+    `threads` splits the runs into that many shards stepped in parallel on host threads
+    (default: one per CPU core on the CPU backend, else 1); results do not depend on it.
 
     Row fields: the swept values; steps (to drain, as `simulate`); preempted_recompute,
     preempted_swap, num_preemptions; swapped_in (groups), blocks_swapped_out,
@@ -362,7 +405,11 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
     if isinstance(vmap_runs, bool) or not isinstance(vmap_runs, int) or vmap_runs < 1:
         raise SweepError(f"sweep: vmap_runs must be a positive integer, got {vmap_runs!r}")
     vmap_runs = min(vmap_runs, len(configs))
-    while (out := _replay(parsed, configs, cap, vmap_runs, progress)) is None:
+    if threads is None:
+        threads = default_threads()
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise SweepError(f"sweep: threads must be a positive integer, got {threads!r}")
+    while (out := _replay(parsed, configs, cap, vmap_runs, progress, threads)) is None:
         if capacity and "num_slots" in capacity:
             raise SweepError(f"sweep: some run has more than num_slots={cap['num_slots']} requests "
                              f"alive at once; raise the capacity's num_slots")
