@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax import lax
 
 from jaxsched.block_pool import add_refs, entry_valid, exclusive_cumsum
 from jaxsched.state import (ABORTED, EMPTY, FINISHED, IGNORE_NEVER_FITS, IGNORE_TOO_MANY_SEQS,
@@ -59,6 +60,14 @@ def add_requests(state: SchedulerState, batch: RequestBatch) -> tuple[SchedulerS
     or the slot's capacity, or whose prompt cannot fit a block table, is ignored at once
     (SPEC B6): it finishes in this step without reaching the scheduler.
     """
+    g = state.status.shape[-1]
+    # NOTE: most steps of a replay or a server admit nobody; they skip the ~40 kernels of
+    # field scatters below.
+    return lax.cond(batch.valid.any(), _add_requests, lambda state, batch: (
+        state, jnp.full(batch.valid.shape, g, jnp.int32)), state, batch)
+
+
+def _add_requests(state: SchedulerState, batch: RequestBatch) -> tuple[SchedulerState, jax.Array]:
     g, s, width = state.block_table.shape
     empty = state.status == EMPTY
     slot_of_rank = jnp.full((g,), g, jnp.int32).at[jnp.where(empty, exclusive_cumsum(empty), g)].set(
@@ -110,10 +119,8 @@ def update(state: SchedulerState, scheduled: jax.Array, num_scheduled_tokens: ja
     samples = scheduled & (~is_prefill | (done >= state.prefill_total))
     fork = samples & ~state.forked & (state.n > 1)
     new_seq = fork[:, None] & (jnp.arange(s)[None, :] < state.n[:, None]) & ~state.seq_alive
-    block_table = jnp.where(new_seq[..., None], state.block_table[:, :1], state.block_table)
-    num_blocks = jnp.where(new_seq, state.num_blocks[:, :1], state.num_blocks)
+    # A new sequence starts as a copy of sequence 0 (its table is copied below).
     num_tokens = jnp.where(new_seq, state.num_tokens[:, :1], state.num_tokens)
-    device_ref = add_refs(state.device_ref, block_table, entry_valid(num_blocks, new_seq, width), 1)
     alive = state.seq_alive | new_seq
     sampled = samples[:, None] & alive
     num_tokens = num_tokens + sampled.astype(jnp.int32)
@@ -124,15 +131,25 @@ def update(state: SchedulerState, scheduled: jax.Array, num_scheduled_tokens: ja
     stop = sampled & (stopped if stopped is not None else False)
     reason = jnp.where(stop, STOPPED, jnp.where(sampled & capped, LENGTH_CAPPED, 0))
     fin = reason > 0
-    device_ref = add_refs(device_ref, block_table, entry_valid(num_blocks, fin, width), -1)
     alive = alive & ~fin
     group_done = samples & ~alive.any(1)
     seq_reason = jnp.where(fin, reason, state.seq_finish_reason)
+
+    def tables():
+        """Block tables and reference counts of forked and finished sequences."""
+        block_table = jnp.where(new_seq[..., None], state.block_table[:, :1], state.block_table)
+        num_blocks = jnp.where(new_seq, state.num_blocks[:, :1], state.num_blocks)
+        device_ref = add_refs(state.device_ref, block_table, entry_valid(num_blocks, new_seq, width), 1)
+        device_ref = add_refs(device_ref, block_table, entry_valid(num_blocks, fin, width), -1)
+        return (jnp.where(fin, 0, num_blocks), jnp.where(fin[..., None], 0, block_table), device_ref)
+
+    # NOTE: most steps neither fork nor finish a sequence; they skip the [G, S, M] table work.
+    num_blocks, block_table, device_ref = lax.cond(
+        (new_seq | fin).any(), tables, lambda: (state.num_blocks, state.block_table, state.device_ref))
     state = state.replace(
         prefill_done=done, forked=state.forked | samples, seq_alive=alive,
-        seq_finish_reason=seq_reason, num_tokens=num_tokens,
-        num_blocks=jnp.where(fin, 0, num_blocks),
-        block_table=jnp.where(fin[..., None], 0, block_table), device_ref=device_ref,
+        seq_finish_reason=seq_reason, num_tokens=num_tokens, num_blocks=num_blocks,
+        block_table=block_table, device_ref=device_ref,
         status=jnp.where(group_done, FINISHED, state.status),
         finish_reason=jnp.where(group_done, seq_reason.max(1), state.finish_reason),
     )
