@@ -10,7 +10,8 @@ num_device_blocks 128..240 (step 16) x max_num_seqs {24, 32, 48, 64} x {recomput
   simulate:         `jaxsched.simulate` per config, all sharing the sweep's static capacity
                     (one compile, timed apart); --simulate-runs of them timed, extrapolated
   sweep (loop):     `jaxsched.sweep`, all 64 runs in one jitted call per chunk of steps, a
-                    `lax.map` over runs (the CPU default, vmap_runs=1)
+                    `lax.map` over runs (the CPU default, vmap_runs=1); once with one shard
+                    of runs per CPU core on host threads (the CPU default), once on one thread
   sweep (vmap):     the same with one `jax.vmap` over all 64 runs (vmap_runs=64); its cost
                     per chunk does not depend on what the runs do (every lax.cond is a
                     select under vmap), so --vmap-chunks chunks are timed and extrapolated
@@ -38,7 +39,8 @@ import jax  # noqa: E402
 
 from jaxsched import simulate  # noqa: E402
 from jaxsched.cli_sweep import markdown_table, plot_results  # noqa: E402
-from jaxsched.sweep import CHUNK_STEPS, make_grid, parse_values, sweep, sweep_capacity  # noqa: E402
+from jaxsched.sweep import (CHUNK_STEPS, default_threads, make_grid, parse_values, sweep,
+                             sweep_capacity)  # noqa: E402
 from jaxsched.trace import parse_trace  # noqa: E402
 from jaxsched.workload import LogNormal, generate_trace  # noqa: E402
 
@@ -54,14 +56,14 @@ GRID = dict(preemption_mode="recompute,swap", max_num_seqs="24,32,48,64", num_de
 TARGET = 100
 
 
-def timed_sweep(trace: dict, vmap_runs: int, max_steps: int | None = None):
+def timed_sweep(trace: dict, vmap_runs: int, threads: int, max_steps: int | None = None):
     """(seconds, rows); rows is None when the run stopped at `max_steps` on purpose."""
     if max_steps is not None:
         trace = copy.deepcopy(trace)
         trace["config"]["max_steps"] = max_steps
     t0 = time.perf_counter()
     try:
-        rows = sweep(trace, **GRID, vmap_runs=vmap_runs, progress=False)
+        rows = sweep(trace, **GRID, vmap_runs=vmap_runs, threads=threads, progress=False)
     except RuntimeError:
         rows = None
     return time.perf_counter() - t0, rows
@@ -84,16 +86,20 @@ def check(row: dict, result: dict, who: str) -> None:
 
 
 def time_sweeps(trace: dict, runs: int, vmap_chunks: int):
-    """Rows of the looped sweep, and (wall, compile, what was timed) of both sweep paths."""
-    compile_loop, _ = timed_sweep(trace, 1, max_steps=CHUNK_STEPS)
-    loop_s, rows = timed_sweep(trace, 1)
+    """Rows of the looped sweep, and (wall, compile, what was timed) of the sweep paths."""
+    threads = default_threads()
+    compile_loop, _ = timed_sweep(trace, 1, threads, max_steps=CHUNK_STEPS)
+    loop_s, rows = timed_sweep(trace, 1, threads)
     chunks = math.ceil(max(r["steps"] for r in rows) / CHUNK_STEPS)
-    first_vmap, _ = timed_sweep(trace, runs, max_steps=CHUNK_STEPS)
-    part_vmap, _ = timed_sweep(trace, runs, max_steps=CHUNK_STEPS * vmap_chunks)
+    one_s, one_rows = timed_sweep(trace, 1, 1)
+    assert one_rows == rows, "the sweep's rows depend on its thread count"
+    first_vmap, _ = timed_sweep(trace, runs, 1, max_steps=CHUNK_STEPS)
+    part_vmap, _ = timed_sweep(trace, runs, 1, max_steps=CHUNK_STEPS * vmap_chunks)
     per_chunk = part_vmap / vmap_chunks
     return rows, [
-        ("jaxsched.sweep, lax.map over runs (CPU default)", loop_s, compile_loop - loop_s / chunks,
-         f"all {runs} runs, {chunks} chunks"),
+        (f"jaxsched.sweep, lax.map over runs, {threads} threads (CPU default)", loop_s,
+         compile_loop - loop_s / chunks, f"all {runs} runs, {chunks} chunks"),
+        ("jaxsched.sweep, lax.map over runs, 1 thread", one_s, None, f"all {runs} runs, {chunks} chunks"),
         (f"jaxsched.sweep, one jax.vmap over {runs} runs", per_chunk * chunks, first_vmap - per_chunk,
          f"{vmap_chunks} of {chunks} chunks timed"),
     ]
@@ -143,10 +149,12 @@ def main() -> None:
     table = [dict(method=m, wall_s=w, per_config_ms=w / runs * 1e3, compile_s=c,
                   speedup_vs_reference=ref_s / w, timed=note) for m, w, c, note in sequential + sweeps]
     env = dict(backend=jax.default_backend(), jax=jax.__version__, machine=platform.machine(),
-               cpus=os.cpu_count(), load_before=load_before, load_after=os.getloadavg()[0])
+               cpus=os.cpu_count(), threads=default_threads(), load_before=load_before, load_after=os.getloadavg()[0])
     columns = ["method", "wall_s", "per_config_ms", "compile_s", "speedup_vs_reference", "timed"]
     best = max(t["speedup_vs_reference"] for t in table[2:])
     steps = [r["steps"] for r in rows]
+    run_steps = sum(steps)
+    fastest = min(t["wall_s"] for t in table[2:])
     md = "\n".join([
         f"# Capacity sweep: {runs} configurations, {TRACE['num_requests']} requests "
         f"({env['backend']}, {env['machine']}, {env['cpus']} CPUs)", "",
@@ -158,6 +166,10 @@ def main() -> None:
         markdown_table(table, columns), "",
         f"Target {TARGET}x faster than the sequential reference: {'met' if best >= TARGET else 'not met'} "
         f"(best sweep {best:.2f}x).", "",
+        f"Per step of one run ({run_steps} run-steps in all): the reference takes "
+        f"{ref_s / run_steps * 1e6:.1f} us, so {TARGET}x leaves {ref_s / run_steps / TARGET * 1e6:.2f} us "
+        f"per run-step; the fastest sweep spends {fastest / run_steps * 1e6:.1f} us of wall time per "
+        f"run-step.", "",
         "## Per configuration", "",
         markdown_table(rows, list(rows[0])), ""])
     RESULTS.mkdir(exist_ok=True)

@@ -160,8 +160,10 @@ def update(state: SchedulerState, scheduled: jax.Array, num_scheduled_tokens: ja
 def free_finished(state: SchedulerState) -> tuple[SchedulerState, jax.Array]:
     """Release the slots of finished groups (their blocks were freed as they finished)."""
     fin = state.status == FINISHED
-    return state.replace(status=jnp.where(fin, EMPTY, state.status),
-                         seq_alive=state.seq_alive & ~fin[:, None]), fin
+    # Most steps finish nobody: they skip rewriting the state.
+    return lax.cond(fin.any(), lambda: state.replace(status=jnp.where(fin, EMPTY, state.status),
+                                                     seq_alive=state.seq_alive & ~fin[:, None]),
+                    lambda: state), fin
 
 
 @jax.jit
