@@ -91,6 +91,7 @@ def time_sweeps(trace: dict, runs: int, vmap_chunks: int):
     compile_loop, _ = timed_sweep(trace, 1, threads, max_steps=CHUNK_STEPS)
     loop_s, rows = timed_sweep(trace, 1, threads)
     chunks = math.ceil(max(r["steps"] for r in rows) / CHUNK_STEPS)
+    timed_sweep(trace, 1, 1, max_steps=CHUNK_STEPS)    # other shard shape: its own compile
     one_s, one_rows = timed_sweep(trace, 1, 1)
     assert one_rows == rows, "the sweep's rows depend on its thread count"
     first_vmap, _ = timed_sweep(trace, runs, 1, max_steps=CHUNK_STEPS)

@@ -80,6 +80,9 @@ def register(subparsers) -> None:
       "C*decode_seqs + D*swapped_blocks; adds seconds to the results")
     s("--vmap-runs", type=int,
       help="runs stepped together by jax.vmap (default: all on an accelerator, 1 on CPU)")
+    s("--threads", type=int,
+      help="host threads, each stepping its own shard of runs (default: one per CPU core on "
+           "CPU, 1 on an accelerator)")
     s("-o", "--output-dir", help="write sweep.csv, sweep.json and plots here")
     s("--no-progress", action="store_true", help="no progress bar")
     sweep.set_defaults(func=cmd_sweep)
@@ -233,7 +236,8 @@ def cmd_sweep(args) -> int:
                 raise ValueError(f"--step-cost: expected A,B,C,D, got {args.step_cost!r}")
             model = StepTimeModel(*(float(p) for p in parts))
         rows = sweep(trace, capacity=capacity, step_time_model=model, vmap_runs=args.vmap_runs,
-                     progress=not args.no_progress, preemption_costs=args.preemption_costs, **axes)
+                     threads=args.threads, progress=not args.no_progress,
+                     preemption_costs=args.preemption_costs, **axes)
     except (SweepError, TraceError, ValueError) as e:
         print(_one_line(e), file=sys.stderr)
         return 2

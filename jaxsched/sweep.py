@@ -301,11 +301,16 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
     reqs, runs = trace.requests, len(configs)
     shards = max(1, min(threads, runs))
     size = -(-runs // shards)
+    # Shard i steps runs i, i + shards, ...: neighbours in the grid cost alike, so dealing
+    # them out evens the shards' work (each chunk waits for the slowest shard). Position p
+    # of the stacked runs holds run deal[p]; runs past the last are padding.
+    deal = np.argsort(np.arange(size * shards) % shards, kind="stable")
     limits = [set_limits(base, c) for c in configs]
-    state = jax.tree.map(lambda *xs: jnp.stack(xs), *(limits + limits[:1] * (size * shards - runs)))
+    state = jax.tree.map(lambda *xs: jnp.stack(xs), *[limits[min(r, runs - 1)] for r in deal])
     # A padding run starts drained (every request has a finish step): it skips every chunk.
     per_request = np.full((size * shards, 2, len(reqs)), -1, np.int32)
-    per_request[runs:] = 0
+    per_request[deal >= runs] = 0
+    back = np.argsort(deal)[:runs]         # stacked position of each run
     steps = np.array([r["arrival_step"] for r in reqs])
     order = np.argsort(steps, kind="stable")
     cols = np.array([[r[k] for r in reqs] for k in ("arrival_step", "prompt_len", "n", "max_tokens")])
@@ -334,7 +339,7 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
             else:
                 out = list(pool.map(lambda c: advance(c, start, times), carries))
             carries = [c for c, _ in out]
-            rec = np.concatenate([r for _, r in out])[:runs]
+            rec = np.concatenate([r for _, r in out])[back]
             if rec[:, :, C_OVERFLOW].any():
                 return None
             chunks.append(rec)
@@ -347,7 +352,7 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
     bad = np.nonzero((done < len(reqs)) | (last >= trace.max_steps))[0]
     if bad.size:
         _unfinished(trace, configs, bad)
-    per_request = np.concatenate([np.asarray(c[1]) for c in carries])[:runs]
+    per_request = np.concatenate([np.asarray(c[1]) for c in carries])[back]
     return np.concatenate(chunks, axis=1), per_request
 
 

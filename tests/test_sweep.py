@@ -127,6 +127,16 @@ def test_sweep__loop_over_runs_equals_vmap_and_unit_step_cost_counts_steps(vmapp
         assert b["latency_p99_s"] == pytest.approx(b["latency_p99"])
 
 
+def test_sweep__runs_split_over_threads_give_the_same_rows_in_grid_order(vmapped):
+    """3 shards of 16 runs: dealt out round-robin, the last shard padded with a drained run."""
+    rows, _ = vmapped
+    threaded = sweep(TRACE, **GRID, capacity=CAPACITY, vmap_runs=1, threads=3, progress=False)
+    assert [{k: r[k] for k in (*GRID, *METRICS)} for r in threaded] == \
+        [{k: r[k] for k in (*GRID, *METRICS)} for r in rows]
+    with pytest.raises(SweepError, match="threads must be a positive integer"):
+        sweep(TRACE, **GRID, capacity=CAPACITY, threads=0, progress=False)
+
+
 def test_cli_sweep__prints_a_table_and_writes_csv_json_and_plots(tmp_path, capsys):
     path = tmp_path / "trace.json"
     path.write_text(json.dumps(TRACE))
