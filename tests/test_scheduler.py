@@ -229,3 +229,29 @@ def test_watermark_band__group_that_can_never_pass_is_ignored_not_stalled():
     assert expected["requests"]["b"]["status"] == "finished_ignored"
     assert got["requests"] == expected["requests"]
     assert [_multiset(s) for s in got["steps"]] == [_multiset(s) for s in expected["steps"]]
+
+
+def test_admitted_entries__row_ranks_equal_the_flat_rank_of_fresh_entries():
+    """The admission-only placement ranks fresh blocks row by row; it must agree with the
+    flat prefix sum (`mask_rank`) over every [G, S, M] entry, forked groups included."""
+    from jaxsched.block_pool import mask_rank
+    from jaxsched.placement import _admitted_entries
+
+    rng = np.random.default_rng(0)
+    g, s, m, block_size = 12, 4, 9, 4
+    for _ in range(20):
+        n_live = rng.integers(1, s + 1, g)
+        alive = np.arange(s)[None, :] < n_live[:, None]
+        alive[:, 0] &= rng.random(g) < 0.8          # some groups lost sequence 0 (finished)
+        alive[~alive.any(1), 0] = True
+        leader = np.argmax(alive, 1).astype(np.int32)
+        prompt = rng.integers(1, 20, g)
+        num_tokens = np.where(alive, prompt[:, None] + rng.integers(0, 12, (g, s)), 0)
+        d = dict(leader=jnp.asarray(leader), n_live=jnp.asarray(alive.sum(1).astype(np.int32)),
+                 prompt_blocks=jnp.asarray(prompt // block_size))
+        admitted = jnp.asarray(rng.random(g) < 0.5)
+        valid, holder, _, rank = _admitted_entries(jnp.asarray(alive), jnp.asarray(num_tokens), d,
+                                                   admitted, m, block_size)
+        fresh = valid & (holder == jnp.arange(s)[None, :, None])
+        assert fresh.any()
+        np.testing.assert_array_equal(np.where(fresh, rank, -1), np.where(fresh, mask_rank(fresh), -1))
