@@ -150,7 +150,8 @@ def main() -> None:
     table = [dict(method=m, wall_s=w, per_config_ms=w / runs * 1e3, compile_s=c,
                   speedup_vs_reference=ref_s / w, timed=note) for m, w, c, note in sequential + sweeps]
     env = dict(backend=jax.default_backend(), jax=jax.__version__, machine=platform.machine(),
-               cpus=os.cpu_count(), threads=default_threads(), load_before=load_before, load_after=os.getloadavg()[0])
+               cpus=os.cpu_count(), threads=default_threads(), load_before=load_before,
+               load_after=os.getloadavg()[0])
     columns = ["method", "wall_s", "per_config_ms", "compile_s", "speedup_vs_reference", "timed"]
     best = max(t["speedup_vs_reference"] for t in table[2:])
     steps = [r["steps"] for r in rows]
