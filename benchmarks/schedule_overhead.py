@@ -43,10 +43,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]      # this checkout's jaxsched, and the reference
+sys.path.insert(0, str(ROOT))      # this checkout's jaxsched
 
-from reference_scheduler import ReferenceScheduler  # noqa: E402
-from reference_scheduler import SchedulerConfig as ReferenceConfig  # noqa: E402
+from jaxsched.reference import ReferenceScheduler  # noqa: E402
+from jaxsched.reference import SchedulerConfig as ReferenceConfig  # noqa: E402
 
 from jaxsched import SchedulerConfig, add_requests, init_state, make_batch, schedule_step, update  # noqa: E402
 
@@ -94,7 +94,7 @@ class Jaxsched:
 
 
 class Reference:
-    """tests/reference_scheduler.py: `schedule(now)` timed, `process_outputs` untimed."""
+    """jaxsched/reference.py: `schedule(now)` timed, `process_outputs` untimed."""
 
     def __init__(self, groups: int):
         self.sched = ReferenceScheduler(ReferenceConfig(**limits(groups)))

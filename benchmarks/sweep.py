@@ -6,7 +6,7 @@ One synthetic 500-request trace (Poisson arrivals at 0.5 requests per step, log-
 prompts of ~60 and outputs of ~25 tokens, 20% of requests with n in 2..4), swept over
 num_device_blocks 128..240 (step 16) x max_num_seqs {24, 32, 48, 64} x {recompute, swap}:
 
-  reference:        tests/reference_scheduler.py's `simulate_reference`, one run per config
+  reference:        jaxsched/reference.py's `simulate_reference`, one run per config
   simulate:         `jaxsched.simulate` per config, all sharing the sweep's static capacity
                     (one compile, timed apart); --simulate-runs of them timed, extrapolated
   sweep (loop):     `jaxsched.sweep`, all 64 runs in one jitted call per chunk of steps, a
@@ -30,7 +30,6 @@ import math
 import os
 import pathlib
 import platform
-import sys
 import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_cpu_enable_concurrency_optimized_scheduler=false")
@@ -44,8 +43,7 @@ from jaxsched.sweep import (CHUNK_STEPS, default_threads, make_grid, parse_value
 from jaxsched.trace import parse_trace  # noqa: E402
 from jaxsched.workload import LogNormal, generate_trace  # noqa: E402
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
-from reference_scheduler import simulate_reference  # noqa: E402
+from jaxsched.reference import simulate_reference  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 TRACE = dict(num_requests=500, rate=0.5, prompt=LogNormal(4.0, 0.6), output=LogNormal(3.2, 0.6),

@@ -17,7 +17,7 @@ from jaxsched.cost_model import (DEFAULT_COSTS, PreemptionCosts, fit, measure_pr
 from jaxsched.preemption import choose_modes
 from jaxsched.state import init_state
 from conftest import TEST_CAPACITY, drive, make_config, make_requests
-from reference_scheduler import simulate_reference
+from jaxsched.reference import simulate_reference
 from test_differential import assert_same_decisions
 
 # Integer costs: every sum and product is exact in float32, so the jitted scheduler and the

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from jaxsched import simulate
 from conftest import TEST_CAPACITY
-from reference_scheduler import simulate_reference
+from jaxsched.reference import simulate_reference
 
 
 # Cost models for mode "auto" whose float32 arithmetic is exact (integers and a power of two

@@ -1,5 +1,8 @@
 """A plain, mutable Python reference of jaxsched's scheduler: the oracle for differential tests.
 
+Pure Python (numpy for the float32 cost comparison; jax only for SPEC A8's draws, imported
+when artificial preemption first needs one), meant to be read as a statement of the semantics.
+
 Written for clarity, straight from SPEC.md part A (vLLM 0.5.3's V0 scheduler with the "v1"
 block manager) and part B (where jaxsched does better). Queues are deques of `SequenceGroup`
 objects and block tables are Python lists; nothing here is fast or jittable.
@@ -46,7 +49,7 @@ RUNNING_ORDER = {(ADMITTED, True): 0, (RUNNING, False): 1, (RUNNING, True): 2,
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
-    """The `config` object of a trace (golden/README.md); unknown keys are dropped."""
+    """The `config` object of a trace (tests/data/golden/README.md); unknown keys are dropped."""
 
     block_size: int
     num_device_blocks: int

@@ -1,0 +1,77 @@
+"""The golden workloads of tests/data/golden/ (its README.md gives the format).
+
+`NAME.trace.json` is a workload; `NAME.vllm.json`, where present, is what the real vLLM 0.5.3
+decided on it. Without one, vLLM raised, overdrew its budget or never finished, and jaxsched
+must serve every request to the end within the budget (SPEC part B).
+"""
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+GOLDEN_DIR = Path(__file__).resolve().parent / "data" / "golden"
+# Prefix caching (SPEC A10) is not implemented yet; its workloads are kept for that issue.
+PREFIX = "prefix-"
+PREFIX_REASON = "prefix caching (SPEC A10) is a later issue"
+
+
+def _names() -> list[str]:
+    return sorted(p.name.removesuffix(".trace.json") for p in GOLDEN_DIR.glob("*.trace.json"))
+
+
+def golden_names(with_vllm: bool) -> list[str]:
+    """Workloads with (or without) vLLM's decisions, prefix-caching ones left out."""
+    return [n for n in _names() if not n.startswith(PREFIX)
+            and (GOLDEN_DIR / f"{n}.vllm.json").exists() == with_vllm]
+
+
+def prefix_names() -> list[str]:
+    return [n for n in _names() if n.startswith(PREFIX)]
+
+
+def load(name: str, kind: str = "trace") -> dict:
+    """`kind` is "trace" or "vllm"."""
+    return json.loads((GOLDEN_DIR / f"{name}.{kind}.json").read_text())
+
+
+def _multiset(step: dict) -> dict:
+    """The step with every list made order-insensitive."""
+    return {k: Counter(json.dumps(x, sort_keys=True) for x in v) if isinstance(v, list) else v
+            for k, v in step.items()}
+
+
+def assert_matches_vllm(got: dict, want: dict) -> None:
+    """`got` made vLLM's decisions `want` at every step, up to vLLM's leaked swap space.
+
+    NOTE: where vLLM ignores a swapped group at swap-in (NEVER) it never frees the group's
+    host blocks; jaxsched does (SPEC B2). So from that step on our `num_free_host_blocks` is
+    higher by what vLLM leaked, and that is the only difference allowed: the leak grows only
+    in such a step, by the host blocks the group took at its last swap-out where that step
+    swapped out nothing else.
+    """
+    assert len(got["steps"]) == len(want["steps"])
+    swapped_at: dict[str, int] = {}      # a swapped group's last swap-out step
+    leaked = 0
+    for mine, theirs in zip(got["steps"], want["steps"]):
+        step = theirs["step"]
+        for rid in theirs["swapped_in"]:
+            swapped_at.pop(rid, None)
+        new_leaks = [swapped_at.pop(rid) for rid in theirs["ignored"] if rid in swapped_at]
+        for rid in theirs["swapped_out"]:
+            swapped_at[rid] = step
+        grown = mine["num_free_host_blocks"] - theirs["num_free_host_blocks"] - leaked
+        if not new_leaks:
+            assert grown == 0, f"step {step}: num_free_host_blocks"
+        else:
+            assert grown > 0, f"step {step}: the ignored group's host blocks were not freed"
+            at = new_leaks[0]
+            out = want["steps"][at]
+            if len(new_leaks) == 1 and at > 0 and len(out["swapped_out"]) == 1 and not out["swapped_in"]:
+                took = want["steps"][at - 1]["num_free_host_blocks"] - out["num_free_host_blocks"]
+                assert grown == took, f"step {step}: num_free_host_blocks"
+        leaked += grown
+        strip = lambda s: {k: v for k, v in s.items() if k != "num_free_host_blocks"}
+        assert _multiset(strip(mine)) == _multiset(strip(theirs)), f"step {step}"
+    assert got["requests"] == want["requests"]
+    assert got["num_preemptions"] == want["num_preemptions"]
