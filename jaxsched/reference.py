@@ -405,29 +405,36 @@ class ReferenceScheduler:
     def _schedule_running(self, out: SchedulerOutputs, budget: Budget) -> list[SequenceGroup]:
         """Serve `running` oldest first, preempting from the tail; returns the groups not reached.
 
-        A prefill gets min(rest of its prefill, budget left); a decode takes one token per live
-        sequence and, if they do not fit, stops the walk (B3); 0 tokens stops the walk.
+        A one-sequence group gets min(its uncomputed tokens, budget left) and 0 tokens stops
+        the walk before its append check. A forked decode takes one token per live sequence
+        with no budget check (A6), so it runs its append check and preemptions as in vLLM;
+        only if it would then be scheduled past the budget is it left unscheduled at the head
+        of `running`, and the walk stops there (B3).
         """
         queue = deque(sorted(self.running, key=lambda g: g.arrival_time))
         served_any = False
         while queue:
             group = queue[0]
             is_prefill, left = group.is_prefill(), budget.remaining_tokens
-            if is_prefill:
-                num_tokens = min(group.remaining_prefill, left)
+            if is_prefill or group.num_live_seqs == 1:
+                num_tokens = min(group.remaining_prefill if is_prefill else 1, left)
             else:
-                num_tokens = group.num_live_seqs if left >= group.num_live_seqs else 0
-            if num_tokens == 0:
+                num_tokens = group.num_live_seqs
+            if num_tokens <= 0:
                 break
             queue.popleft()
             while not self._can_append_slots(group):
                 if queue:
                     self._preempt(queue.pop(), out)  # the lowest priority: the tail
-                elif is_prefill and not served_any:
-                    break  # B5a: a lone partial prefill goes on with its allocated blocks
+                elif (is_prefill and not served_any
+                      and self._preemption_mode(group) == RECOMPUTE):
+                    break  # B5: a lone partial prefill goes on with its allocated blocks
                 else:
                     self._preempt(group, out)
                     return list(queue)
+            if num_tokens > left:  # B3: never past the budget
+                queue.appendleft(group)
+                break
             self._append_slots(group, out)
             self._record(out, group, num_tokens if is_prefill else 1, is_prefill, RUNNING)
             budget.num_batched_tokens += num_tokens
@@ -546,19 +553,22 @@ class ReferenceScheduler:
             if cow is not None:
                 out.blocks_to_copy.append(cow)
 
-    def _preempt(self, group: SequenceGroup, out: SchedulerOutputs) -> None:
+    def _preemption_mode(self, group: SequenceGroup) -> str:
         """SPEC A5, and B1: a swap that does not fit the free host blocks recomputes instead."""
-        bm = self.block_manager
         mode = self.config.preemption_mode
         if mode is None:
             mode = RECOMPUTE if group.max_running_seqs() == 1 else SWAP
         elif mode == AUTO:
             mode = SWAP if self._swap_is_cheaper(group) else RECOMPUTE
-        if mode == SWAP and bm.can_swap_out(group):
+        return SWAP if mode == SWAP and self.block_manager.can_swap_out(group) else RECOMPUTE
+
+    def _preempt(self, group: SequenceGroup, out: SchedulerOutputs) -> None:
+        bm = self.block_manager
+        mode = self._preemption_mode(group)
+        if mode == SWAP:
             out.blocks_to_swap_out += bm.move(group, bm.device, bm.host)
             out.swapped_out.append(group)
         else:
-            mode = RECOMPUTE
             bm.free(group, bm.device)
             group.prefill_done = 0
             group.prefill_total = self._recompute_total(group)
