@@ -37,41 +37,45 @@ def _flag(name: str) -> str:
 
 def register(subparsers) -> None:
     """Add `trace generate` and `sweep` to the `jaxsched` subparsers."""
-    trace = subparsers.add_parser("trace", help="make request traces")
+    trace = subparsers.add_parser("trace", help="make request traces",
+                                  description="Make request traces for simulate and sweep.")
     generate = trace.add_subparsers(dest="trace_command", required=True).add_parser(
         "generate", help="write a synthetic trace (Poisson or bursty arrivals, log-normal lengths)")
     g = generate.add_argument
     g("-o", "--output", required=True, help="trace JSON to write")
-    g("--num-requests", type=int, required=True)
+    g("--num-requests", type=int, required=True, help="requests in the trace")
     g("--rate", type=float, required=True, help="requests per step")
-    g("--arrival", choices=("poisson", "bursty"), default="poisson")
+    g("--arrival", choices=("poisson", "bursty"), default="poisson", help="arrival process")
     g("--burstiness", type=float, default=4.0, help="bursty: squared CV of the gaps (1 = Poisson)")
     g("--burst-size", type=int, default=1, help="bursty: requests arriving together")
     for kind, mu, sigma in (("prompt", 5.0, 0.8), ("output", 4.5, 0.6)):
-        g(f"--{kind}-mu", type=float, help=f"mean of log({kind} length) (default {mu})")
-        g(f"--{kind}-sigma", type=float, help=f"std of log({kind} length) (default {sigma})")
+        g(f"--{kind}-mu", type=float, help=f"mean of log({kind} length); None means {mu}")
+        g(f"--{kind}-sigma", type=float, help=f"std of log({kind} length); None means {sigma}")
         g(f"--{kind}-lengths", metavar="FILE", help=f"fit the {kind} distribution to these lengths "
           "(a JSON list, or numbers separated by spaces, commas or newlines)")
     g("--n-share", type=float, default=0.2, help="share of requests with n > 1")
-    g("--max-n", type=int, default=4)
-    g("--seed", type=int, default=0)
+    g("--max-n", type=int, default=4, help="largest n of a request with n > 1")
+    g("--seed", type=int, default=0, help="random seed of the trace")
     for name, kind, text in CONFIG_FLAGS:
         g(_flag(name), type=kind, help=f"config: {text}")
     g("--enable-chunked-prefill", action="store_true", default=None, help="config: chunked prefill")
     g("--preemption-mode", choices=("default", "auto", "recompute", "swap"),
-      help="config: preemption mode (default: vLLM's; auto: by cost)")
+      help="config: preemption mode (default: vLLM's; auto: by cost); None leaves it out")
     generate.set_defaults(func=cmd_trace_generate)
 
     sweep = subparsers.add_parser("sweep", help="replay a trace under a grid of limits in one compiled call")
     s = sweep.add_argument
     s("trace", help="trace JSON")
-    s("--num-device-blocks", metavar="SPEC", help="e.g. 64:1024:64 (inclusive) or 64,128,256")
-    s("--max-num-seqs", metavar="SPEC", help="e.g. 8,16,32,64")
-    s("--preemption-mode", metavar="SPEC", help="e.g. recompute,swap,auto,default")
+    s("--num-device-blocks", metavar="SPEC", help="e.g. 64:1024:64 (start:stop:step, inclusive) "
+      "or 64,128,256; None keeps the trace's")
+    s("--max-num-seqs", metavar="SPEC", help="e.g. 8,16,32,64; None keeps the trace's")
+    s("--preemption-mode", metavar="SPEC", help="e.g. recompute,swap,auto,default "
+      "(default: vLLM's mode); None keeps the trace's")
     s("--preemption-costs", metavar="FILE", help="cost model of mode auto (JSON from "
       "cost_model.PreemptionCosts.to_json, e.g. benchmarks/results/preemption_costs_cpu.json)")
     for name in ("num_host_blocks", "max_num_batched_tokens", "max_model_len", "watermark", "delay_factor"):
-        s(_flag(name), metavar="SPEC")
+        s(_flag(name), metavar="SPEC", help=f"sweep axis {name}: a list a,b,c or a range "
+          "start:stop:step; None keeps the trace's")
     s("--block-size", metavar="VALUE", help="static: one value overrides the trace's")
     s("--enable-chunked-prefill", metavar="true|false", help="static: one value overrides the trace's")
     s("--capacity", metavar="K=V,...",
@@ -177,6 +181,7 @@ def cmd_trace_generate(args) -> int:
     if args.enable_chunked_prefill:
         config["enable_chunked_prefill"] = True
     if args.preemption_mode is not None:
+        # Trace files spell vLLM's default as null, as the goldens do.
         config["preemption_mode"] = None if args.preemption_mode == "default" else args.preemption_mode
     try:
         trace = generate_trace(args.num_requests, args.rate, arrival=args.arrival,

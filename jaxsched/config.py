@@ -69,7 +69,7 @@ class SchedulerConfig:
       max_num_batched_tokens: most tokens in one step (a hard limit here, SPEC B3).
       max_model_len: longest sequence; longer ones finish length-capped.
       enable_chunked_prefill: SPEC A6 instead of A4.
-      preemption_mode: None (recompute for one sequence, swap for more), "recompute", "swap",
+      preemption_mode: None or "default" (recompute for one sequence, swap for more), "recompute", "swap",
         or "auto" (per victim, whichever `preemption_costs` says is cheaper).
       preemption_costs: the cost model of "auto" (a cost_model.PreemptionCosts; a dict or a
         sequence of its five coefficients is converted). None: cost_model.DEFAULT_COSTS.
@@ -111,8 +111,11 @@ class SchedulerConfig:
                      f"must be a positive integer, got {value!r}")
         _require(isinstance(self.num_host_blocks, int) and self.num_host_blocks >= 0,
                  "num_host_blocks", f"must be an integer >= 0, got {self.num_host_blocks!r}")
-        _require(self.preemption_mode in PREEMPTION_MODES, "preemption_mode",
-                 f"must be None, 'recompute', 'swap' or 'auto', got {self.preemption_mode!r}")
+        if self.preemption_mode == "default":            # the CLI's spelling of vLLM's None
+            object.__setattr__(self, "preemption_mode", None)
+        _require(isinstance(self.preemption_mode, (str, type(None)))
+                 and self.preemption_mode in PREEMPTION_MODES, "preemption_mode",
+                 f"must be None or 'default', 'recompute', 'swap' or 'auto', got {self.preemption_mode!r}")
         if self.preemption_costs is not None:
             try:
                 costs = PreemptionCosts.coerce(self.preemption_costs)

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxsched.compilation_cache import enable_compilation_cache
 from jaxsched.config import SchedulerConfig
 from jaxsched.cost_model import PreemptionCosts, measure_preemption_costs
 from jaxsched.engine import (EngineSpec, NewRequests, SamplingRows, init_engine, step,
@@ -86,6 +87,8 @@ class LLM:
         if unknown:
             raise TypeError(f"LLM: unknown engine argument {unknown[0]!r}; "
                             f"expected SchedulerConfig fields")
+        _check_engine_args(engine_args)                  # bad flags fail before any loading
+        enable_compilation_cache()                       # a second start loads, not compiles
         from models.llama import LlamaForCausalLM
         if tensor_parallel_size is not None:
             mesh_shape = (1, tensor_parallel_size)
@@ -112,7 +115,11 @@ class LLM:
             self._owner: dict[str, LLM] = {}
             return
         measure = _resolve_costs(engine_args, data * tp > 1 or bool(devices))
-        engine_args.setdefault("max_model_len", min(1024, model_config.max_position_embeddings))
+        context = model_config.max_position_embeddings
+        if engine_args.get("max_model_len", 0) > context:
+            raise ValueError(f"max_model_len: {engine_args['max_model_len']} is longer than the "
+                             f"model's context length {context} (max_position_embeddings)")
+        engine_args.setdefault("max_model_len", min(1024, context))
         engine_args.setdefault("max_num_batched_tokens", max(512, engine_args.get("max_num_seqs", 16)))
         engine_args.setdefault("seed", seed)
         self.config = SchedulerConfig(**engine_args)
@@ -169,19 +176,81 @@ class LLM:
             block_size=self.config.block_size, dtype=mc.dtype, impl=self.spec.attention_impl, **kw)
 
     # -------------------------------------------------------------- requests
-    def _encode(self, prompt: Prompt) -> tuple[Optional[str], list[int]]:
+    def _encode(self, prompt: Prompt, field: str = "prompt") -> tuple[Optional[str], list[int]]:
+        """(text, token ids) of a prompt; a malformed one raises ValueError naming `field`."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("prompt: text needs a tokenizer; pass token ids instead")
-            return prompt, self.tokenizer.encode(prompt)
-        ids = [int(t) for t in prompt]
+                raise ValueError(f"{field}: text needs a tokenizer; pass token ids instead")
+            ids = self.tokenizer.encode(prompt)
+            text = prompt
+        elif isinstance(prompt, dict) and set(prompt) <= {"prompt", "prompt_token_ids"} and prompt:
+            # vLLM's prompt dicts: {"prompt": text} or {"prompt_token_ids": [...]}.
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"], field)
+            return self._encode(prompt["prompt"], field)
+        elif isinstance(prompt, (list, tuple, np.ndarray)):
+            text, ids = None, self._check_ids(prompt, field)
+        else:
+            raise ValueError(f"{field}: must be a string, a list of token ids or a dict with "
+                             f"'prompt' or 'prompt_token_ids', got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError(f"{field}: must have at least one token")
+        return text, ids
+
+    def _check_ids(self, prompt, field: str) -> list[int]:
         vocab = self.model_config.vocab_size
+        ids = list(prompt)
+        if any(isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)) for t in ids):
+            raise ValueError(f"{field}: token ids must be integers")
+        ids = [int(t) for t in ids]
         if any(t < 0 or t >= vocab for t in ids):
-            raise ValueError(f"prompt: token ids must be in [0, vocab_size={vocab})")
-        return None, ids
+            raise ValueError(f"{field}: token ids must be in [0, vocab_size={vocab})")
+        if not ids:
+            raise ValueError(f"{field}: must have at least one token")
+        return ids
+
+    def _prepare(self, request_id: str, prompt: Prompt, params: Optional[SamplingParams],
+                 field: str = "prompt") -> tuple[Optional[str], list[int], SamplingParams]:
+        """Every check of one request, changing nothing: raises ValueError naming the field."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id: must be a non-empty string, got {request_id!r}")
+        if request_id in self._by_id:
+            raise ValueError(f"request_id {request_id!r}: duplicate id")
+        if params is None:
+            params = SamplingParams()
+        elif not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params: must be a SamplingParams, got {type(params).__name__}")
+        params.validate(self.config.max_num_seqs, self.config.max_seqs_per_group)
+        text, ids = self._encode(prompt, field)
+        return text, ids, params
+
+    def _enqueue(self, request_id: str, text: Optional[str], ids: list[int], params: SamplingParams) -> None:
+        idx = self._next
+        self._next += 1
+        n = params.n
+        detok = ([self.tokenizer.detokenizer(ids, skip_special_tokens=True) for _ in range(n)]
+                 if self.tokenizer else [])
+        req = _Request(idx, request_id, text, ids, params, [[] for _ in range(n)],
+                       [[] for _ in range(n)], [None] * n, detok, [""] * n)
+        self._requests[idx] = req
+        self._by_id[request_id] = idx
+        if len(ids) > self.config.max_model_len:
+            # As vLLM 0.5.3: an over-long prompt costs only itself. It finishes as ignored at
+            # once, with the numbers, and the engine never sees it.
+            self._stats["ignored"] += 1
+            self._finish(req, ["ignored"] * n,
+                         f"prompt has {len(ids)} tokens, more than max_model_len={self.config.max_model_len}")
+            return
+        self._queue.append(idx)
 
     def add_request(self, request_id: str, prompt: Prompt, params: Optional[SamplingParams] = None) -> None:
-        """Validate and queue one request; raises ValueError and changes nothing if it is bad."""
+        """Validate and queue one request.
+
+        A malformed request (bad type, empty or out-of-vocabulary prompt, bad or over-limit
+        sampling parameters, duplicate id) raises ValueError and changes nothing. A prompt
+        longer than `max_model_len` is accepted and finishes at once as "ignored", with a
+        message, as in vLLM.
+        """
         if self._replicas:
             if request_id in self._owner:
                 raise ValueError(f"request_id {request_id!r}: duplicate id")
@@ -190,24 +259,7 @@ class LLM:
             target.add_request(request_id, prompt, params)
             self._owner[request_id] = target
             return
-        params = params or SamplingParams()
-        if request_id in self._by_id:
-            raise ValueError(f"request_id {request_id!r}: duplicate id")
-        text, ids = self._encode(prompt)
-        if not ids:
-            raise ValueError("prompt: must have at least one token")
-        if len(ids) > self.config.max_model_len:
-            raise ValueError(f"prompt: {len(ids)} tokens exceed max_model_len={self.config.max_model_len}")
-        params.validate(self.config.max_num_seqs, self.config.max_seqs_per_group)
-        idx = self._next
-        self._next += 1
-        n = params.n
-        detok = ([self.tokenizer.detokenizer(ids, skip_special_tokens=True) for _ in range(n)]
-                 if self.tokenizer else [])
-        self._requests[idx] = _Request(idx, request_id, text, ids, params, [[] for _ in range(n)],
-                                       [[] for _ in range(n)], [None] * n, detok, [""] * n)
-        self._by_id[request_id] = idx
-        self._queue.append(idx)
+        self._enqueue(request_id, *self._prepare(request_id, prompt, params))
 
     def abort(self, request_id: str) -> None:
         """Stop a request wherever it is; its blocks are freed at once."""
@@ -343,15 +395,33 @@ class LLM:
 
     # -------------------------------------------------------------- front ends
     def _submit(self, prompts, sampling_params) -> list[str]:
-        base = sum(len(r._requests) for r in self._replicas) if self._replicas else self._next
-        if isinstance(prompts, (str,)) or (prompts and isinstance(prompts[0], int)):
+        """Check every request of a batch, then queue them all: a bad one queues none."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
+                                               and isinstance(prompts[0], (int, np.integer))):
             prompts = [prompts]
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
-        ids = []
-        for k, (prompt, p) in enumerate(zip(prompts, params)):
-            rid = f"req-{base + k}"
-            self.add_request(rid, prompt, p)
-            ids.append(rid)
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"prompts: must be a string, a list of token ids or a list of prompts, "
+                             f"got {type(prompts).__name__}")
+        if isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != len(prompts):
+                raise ValueError(f"sampling_params: {len(sampling_params)} given for "
+                                 f"{len(prompts)} prompts; the lengths must match")
+            params = list(sampling_params)
+        else:
+            params = [sampling_params] * len(prompts)
+        base = sum(len(r._requests) for r in self._replicas) if self._replicas else self._next
+        ids = [f"req-{base + k}" for k in range(len(prompts))]
+        if self._replicas:
+            checker = self._replicas[0]
+            prepared = [checker._prepare(rid, p, sp, f"prompts[{k}]")
+                        for k, (rid, p, sp) in enumerate(zip(ids, prompts, params))]
+            for rid, (text, tokens, sp) in zip(ids, prepared):
+                self.add_request(rid, tokens if text is None else text, sp)
+            return ids
+        prepared = [self._prepare(rid, p, sp, f"prompts[{k}]")
+                    for k, (rid, p, sp) in enumerate(zip(ids, prompts, params))]
+        for rid, args in zip(ids, prepared):
+            self._enqueue(rid, *args)
         return ids
 
     def generate(self, prompts, sampling_params: Optional[SamplingParams] = None,
@@ -362,7 +432,9 @@ class LLM:
         if use_tqdm and len(ids) > 1:
             from tqdm.auto import tqdm
             bar = tqdm(total=len(ids), desc="generate", unit="req")
-        pending = set(ids)
+        pending = {i for i in ids if not self.output(i).finished}
+        if bar:
+            bar.update(len(ids) - len(pending))
         while pending:
             for out in self.step():
                 if out.finished and out.request_id in pending:
@@ -414,19 +486,38 @@ class LLM:
                         ) -> Iterator[RequestOutput]:
         """Yield each request's output so far every time it gets tokens (text is whole UTF-8)."""
         ids = set(self._submit(prompts, sampling_params))
+        for rid in sorted(ids):
+            if self.output(rid).finished:             # ignored at submission: said once
+                yield self.output(rid)
         while any(not self.output(i).finished for i in ids):
             for out in self.step():
                 if out.request_id in ids:
                     yield out
 
-    def chat(self, messages: list[dict], sampling_params: Optional[SamplingParams] = None,
-             use_tqdm: bool = False) -> RequestOutput:
-        """Render the model's own chat template and generate the assistant's reply."""
+    def chat(self, messages, sampling_params: Optional[SamplingParams] = None,
+             use_tqdm: bool = False, add_generation_prompt: bool = True):
+        """Render the model's own chat template and generate the assistant's reply.
+
+        `messages` is one conversation (a list of {"role", "content"} dicts), which returns
+        one RequestOutput, or a list of conversations, which returns a list, as vLLM's does.
+        """
         if self.tokenizer is None or not self.tokenizer.chat_template:
             raise ValueError("chat: the model has no tokenizer with a chat template")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
-        return self.generate([ids], sampling_params, use_tqdm=use_tqdm)[0]
+        batched = isinstance(messages, (list, tuple)) and bool(messages) and all(
+            isinstance(m, (list, tuple)) for m in messages)
+        conversations = list(messages) if batched else [messages]
+        prompts = []
+        for k, conv in enumerate(conversations):
+            field = f"messages[{k}]" if batched else "messages"
+            if not isinstance(conv, (list, tuple)) or not conv or not all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str)
+                    and isinstance(m.get("content"), str) for m in conv):
+                raise ValueError(f"{field}: must be a non-empty list of "
+                                 "{'role': str, 'content': str} messages")
+            text = self.tokenizer.apply_chat_template(list(conv), add_generation_prompt=add_generation_prompt)
+            prompts.append(self.tokenizer.encode(text, add_special_tokens=False))
+        outs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return outs if batched else outs[0]
 
     def stats(self) -> dict:
         if self._replicas:
@@ -451,6 +542,19 @@ class LLM:
             "peak_device_blocks": self._peak[0], "peak_host_blocks": self._peak[1],
             "engine_seconds": round(elapsed, 2), "compile_seconds": round(self._compile, 1),
         }
+
+
+def _check_engine_args(engine_args: dict) -> SchedulerConfig:
+    """The config these arguments make (its own error if bad), before any model loads.
+
+    Where the model sets a default (max_model_len), a stand-in is used: the real config is
+    built once the model's context length is known."""
+    args = dict(engine_args)
+    if isinstance(args.get("preemption_costs"), (str, pathlib.Path)):
+        args.pop("preemption_costs")                  # a file or "measure": resolved later
+    args.setdefault("max_num_batched_tokens", max(512, args.get("max_num_seqs", 16)))
+    args.setdefault("max_model_len", min(512, args["max_num_batched_tokens"]))
+    return SchedulerConfig(**args)
 
 
 def _resolve_costs(engine_args: dict, sharded: bool) -> bool:

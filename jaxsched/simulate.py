@@ -172,8 +172,12 @@ def _report(trace: Trace, rec: np.ndarray, free: np.ndarray) -> dict:
             "ignored_reasons": reasons}
 
 
-def summarize(result: dict, trace_config: dict | None = None) -> dict[str, Any]:
-    """Headline numbers of a replay (for the CLI's table)."""
+def summarize(result: dict, trace_config: dict | SchedulerConfig | None = None) -> dict[str, Any]:
+    """Headline numbers of a replay (for the CLI's table).
+
+    `trace_config` (the trace's config dict, or its SchedulerConfig) adds the peak blocks
+    used; fields the dict leaves out take SchedulerConfig's defaults, as the replay did.
+    """
     steps = result["steps"]
     modes = {"recompute": 0, "swap": 0}
     for s in steps:
@@ -189,9 +193,10 @@ def summarize(result: dict, trace_config: dict | None = None) -> dict[str, Any]:
         "ignored": statuses.count("finished_ignored"),
         "output_tokens": sum(v["num_output_tokens"] for v in result["requests"].values()),
     }
-    if trace_config and steps:
-        out["peak_device_blocks_used"] = trace_config["num_device_blocks"] - min(
-            s["num_free_device_blocks"] for s in steps)
-        out["peak_host_blocks_used"] = trace_config["num_host_blocks"] - min(
-            s["num_free_host_blocks"] for s in steps)
+    if trace_config is not None and steps:
+        get = (trace_config.get if isinstance(trace_config, dict)
+               else lambda k, d: getattr(trace_config, k))
+        for pool in ("device", "host"):
+            total = get(f"num_{pool}_blocks", getattr(SchedulerConfig, f"num_{pool}_blocks"))
+            out[f"peak_{pool}_blocks_used"] = total - min(s[f"num_free_{pool}_blocks"] for s in steps)
     return out

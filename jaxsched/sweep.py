@@ -76,7 +76,7 @@ def parse_values(field: str, spec) -> list:
     if field not in SWEEP_FIELDS:
         raise SweepError(_not_sweepable(field))
     if isinstance(spec, str):
-        if field != "preemption_mode" and spec.count(":") == 2:
+        if field != "preemption_mode" and ":" in spec:
             values = _parse_range(field, spec)
         else:
             values = [v.strip() for v in spec.split(",")]
@@ -128,6 +128,9 @@ def _costs(value) -> PreemptionCosts:
 
 
 def _parse_range(field: str, spec: str) -> list:
+    if spec.count(":") != 2:
+        raise SweepError(f"sweep: {field}: bad range {spec!r}: expected start:stop:step with "
+                         f"all three parts (inclusive), e.g. 64:1024:64, or a list like 64,128")
     try:
         start, stop, step = (float(x) if field in FLOAT_FIELDS else int(x) for x in spec.split(":"))
     except ValueError:

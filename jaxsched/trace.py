@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections import defaultdict
 from pathlib import Path
 
@@ -14,6 +15,13 @@ CONFIG_KEYS = {"block_size", "num_device_blocks", "num_host_blocks", "max_num_se
                "artificial_preemption", "seed"}
 REQUEST_KEYS = {"id", "arrival_step", "prompt_len", "max_tokens", "n"}
 REQUEST_DEFAULTS = {"arrival_step": 0, "n": 1}
+# Bounds that keep a replay's arrays to a size this machine can hold: a trace past them is
+# a typo far more often than a workload.
+INT_LIMITS = {"arrival_step": 10**7, "prompt_len": 2**20, "max_tokens": 2**20, "n": 256}
+CONFIG_INT_LIMITS = {"block_size": 4096, "num_device_blocks": 2**20, "num_host_blocks": 2**20,
+                     "max_num_seqs": 2**16, "max_num_batched_tokens": 2**24, "max_model_len": 2**20,
+                     "artificial_preemption_count": 10**7, "seed": 2**31 - 1}
+MAX_STEPS_LIMIT = 10**8
 
 
 class TraceError(ValueError):
@@ -34,12 +42,45 @@ class Trace:
         return dict(out)
 
 
-def _int_field(where: str, key: str, value, minimum: int) -> int:
+def _int_field(where: str, key: str, value, minimum: int, maximum: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TraceError(f"{where}: field '{key}' must be an integer, got {value!r}")
     if value < minimum:
         raise TraceError(f"{where}: field '{key}' must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise TraceError(f"{where}: field '{key}' must be <= {maximum}, got {value}")
     return value
+
+
+def _parse_config(config: dict, step_time: float, max_steps: int) -> tuple[SchedulerConfig, float, int]:
+    unknown = set(config) - CONFIG_KEYS
+    if unknown:
+        raise TraceError(f"config: unknown key {sorted(unknown, key=str)[0]!r}")
+    config = dict(config)
+    step_time = config.pop("step_time", step_time)
+    if isinstance(step_time, bool) or not isinstance(step_time, (int, float)) \
+            or not math.isfinite(step_time) or step_time <= 0:
+        raise TraceError(f"config: field 'step_time' must be a number > 0, got {step_time!r}")
+    max_steps = _int_field("config", "max_steps", config.pop("max_steps", max_steps), 1, MAX_STEPS_LIMIT)
+    for key, limit in CONFIG_INT_LIMITS.items():
+        if key in config:
+            _int_field("config", key, config[key], 0, limit)
+    for key in ("enable_chunked_prefill", "artificial_preemption"):
+        if key in config and not isinstance(config[key], bool):
+            raise TraceError(f"config: field '{key}' must be true or false, got {config[key]!r}")
+    for key in ("delay_factor", "watermark"):
+        value = config.get(key, 0.0)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise TraceError(f"config: field '{key}' must be a number, got {value!r}")
+    mode = config.get("preemption_mode")
+    if mode is not None and not isinstance(mode, str):
+        raise TraceError(f"config: field 'preemption_mode' must be null or one of "
+                         f"'default', 'recompute', 'swap', 'auto', got {mode!r}")
+    try:
+        cfg = SchedulerConfig(**config)
+    except (TypeError, ValueError, KeyError, AttributeError, OverflowError) as e:
+        raise TraceError(f"config: {e}") from None
+    return cfg, float(step_time), max_steps
 
 
 def parse_trace(data: dict, *, step_time: float = 1.0, max_steps: int = 100_000) -> Trace:
@@ -52,34 +93,27 @@ def parse_trace(data: dict, *, step_time: float = 1.0, max_steps: int = 100_000)
     config = data.get("config", {})
     if isinstance(config, SchedulerConfig):
         cfg = config
+        if isinstance(step_time, bool) or not isinstance(step_time, (int, float)) or not step_time > 0:
+            raise TraceError(f"config: field 'step_time' must be a number > 0, got {step_time!r}")
     else:
         if not isinstance(config, dict):
             raise TraceError("trace: 'config' must be an object")
-        unknown = set(config) - CONFIG_KEYS
-        if unknown:
-            raise TraceError(f"config: unknown key {sorted(unknown)[0]!r}")
-        config = dict(config)
-        step_time = float(config.pop("step_time", step_time))
-        max_steps = int(config.pop("max_steps", max_steps))
-        try:
-            cfg = SchedulerConfig(**config)
-        except (TypeError, ValueError) as e:
-            raise TraceError(f"config: {e}") from None
-    if not step_time > 0:
-        raise TraceError(f"config: field 'step_time' must be > 0, got {step_time}")
+        cfg, step_time, max_steps = _parse_config(config, step_time, max_steps)
     requests = data.get("requests")
     if not isinstance(requests, list):
         raise TraceError("trace: 'requests' must be a list")
+    if not requests:
+        raise TraceError("trace: 'requests' is empty: nothing to replay")
     seen, out = set(), []
     for i, r in enumerate(requests):
         where = f"request #{i}"
         if not isinstance(r, dict):
             raise TraceError(f"{where}: must be an object")
-        if "id" in r:
+        if isinstance(r.get("id"), str) and r["id"]:
             where = f"request {r['id']!r}"
         unknown = set(r) - REQUEST_KEYS
         if unknown:
-            raise TraceError(f"{where}: unknown field {sorted(unknown)[0]!r}")
+            raise TraceError(f"{where}: unknown field {sorted(unknown, key=str)[0]!r}")
         for key in ("id", "prompt_len", "max_tokens"):
             if key not in r:
                 raise TraceError(f"{where}: missing field '{key}'")
@@ -90,10 +124,8 @@ def parse_trace(data: dict, *, step_time: float = 1.0, max_steps: int = 100_000)
             raise TraceError(f"{where}: duplicate id")
         seen.add(rid)
         row = {**REQUEST_DEFAULTS, **r}
-        _int_field(where, "arrival_step", row["arrival_step"], 0)
-        _int_field(where, "prompt_len", row["prompt_len"], 1)
-        _int_field(where, "max_tokens", row["max_tokens"], 1)
-        _int_field(where, "n", row["n"], 1)
+        for key, minimum in (("arrival_step", 0), ("prompt_len", 1), ("max_tokens", 1), ("n", 1)):
+            _int_field(where, key, row[key], minimum, INT_LIMITS[key])
         out.append(row)
     return Trace(cfg, out, step_time, max_steps)
 
@@ -106,3 +138,7 @@ def load_trace(path: str | Path) -> dict:
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise TraceError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    except UnicodeDecodeError:
+        raise TraceError(f"{path}: not UTF-8 text") from None
+    except OSError as e:
+        raise TraceError(f"{path}: cannot read ({e.strerror})") from None

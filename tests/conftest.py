@@ -2,7 +2,11 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
+# One compilation cache for this test run, shared with the servers the tests start: a
+# process compiles what an earlier one already did only once, and nothing lands in ~/.cache.
+os.environ.setdefault("JAXSCHED_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="jaxsched-xla-"))
 # Many tiny fusions: XLA:CPU's concurrency scheduler only adds thread hand-offs and compile time.
 os.environ.setdefault("XLA_FLAGS", "--xla_cpu_enable_concurrency_optimized_scheduler=false")
 

@@ -160,21 +160,24 @@ def test_engine__warm_up_runs_every_bucket_and_leaves_nothing_behind(model):
 def test_engine__bad_requests_fail_alone(model):
     llm = make_llm(model, num_device_blocks=8)
     llm.add_request("ok", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0))
+    # Built when added, as a user builds them: SamplingParams raises on its own fields.
     bad = [
-        (("long", list(range(97)) + [1]), "max_model_len=96"),
-        (("n", [1, 2], SamplingParams(n=9)), "max_num_seqs=8"),
-        (("t", [1, 2], SamplingParams(temperature=-1.0)), "temperature"),
-        (("p", [1, 2], SamplingParams(top_p=0.0)), "top_p"),
-        (("k", [1, 2], SamplingParams(top_k=-5)), "top_k"),
-        (("mt", [1, 2], SamplingParams(max_tokens=0)), "max_tokens"),
+        (("n", [1, 2], dict(n=9)), "max_num_seqs=8"),
+        (("t", [1, 2], dict(temperature=-1.0)), "temperature"),
+        (("p", [1, 2], dict(top_p=0.0)), "top_p"),
+        (("k", [1, 2], dict(top_k=-5)), "top_k"),
+        (("mt", [1, 2], dict(max_tokens=0)), "max_tokens"),
         (("vocab", [1, 500]), "vocab_size"),
         (("ok", [4, 5]), "duplicate"),
     ]
     for args, message in bad:
         with pytest.raises(ValueError, match=message):
-            llm.add_request(*args)
-    # A prompt that can never fit 8 blocks of 4 tokens comes back ignored with a message.
+            llm.add_request(*args[:2], *(SamplingParams(**args[2]),) if len(args) > 2 else ())
+    # A prompt that can never fit 8 blocks of 4 tokens comes back ignored with a message, and
+    # so does one over max_model_len (at once, as in vLLM).
     llm.add_request("huge", list(range(60)), SamplingParams(max_tokens=2))
+    llm.add_request("long", list(range(97)) + [1], SamplingParams(max_tokens=2))
+    assert llm.output("long").finished and "max_model_len=96" in llm.output("long").message
     llm.add_request("ok2", [7, 8], SamplingParams(max_tokens=3, temperature=0.0))
     while llm.has_unfinished():
         llm.step()

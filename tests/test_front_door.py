@@ -1,0 +1,288 @@
+"""What a new user meets first: bad input costs only itself, vLLM's import line, the CLI."""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+import pytest
+from flax import nnx
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jaxsched import SchedulerConfig, TraceError, parse_trace
+from jaxsched.params import SamplingParams
+from models.gguf import find_smollm2_gguf
+from models.llama import LlamaConfig, LlamaForCausalLM
+from models.tokenizer import Tokenizer
+
+ENGINE = dict(block_size=4, num_slots=16, max_seqs_per_group=4, max_num_seqs=8,
+              max_num_batched_tokens=64, max_model_len=48, num_device_blocks=64,
+              num_host_blocks=64, attention_impl="reference")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    try:
+        return Tokenizer.from_gguf_file(find_smollm2_gguf())
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="module")
+def llm(tokenizer):
+    """A tiny random model on SmolLM2's tokenizer: real text and chat, compiled in seconds."""
+    from jaxsched import LLM
+    config = LlamaConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         tie_word_embeddings=True, max_position_embeddings=256)
+    return LLM(LlamaForCausalLM(config, nnx.Rngs(0)), tokenizer=tokenizer, **ENGINE)
+
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+
+def _idle(llm) -> bool:
+    return not llm.has_unfinished() and not llm._queue
+
+
+# ----------------------------------------------------------------------------- requests
+
+
+def test_generate__an_overlong_prompt_is_ignored_alone_and_the_others_return(llm):
+    outs = llm.generate(["good one", "hello " * 100, "good two"], GREEDY, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [4, 0, 4]
+    assert outs[1].finished and outs[1].outputs[0].finish_reason == "ignored"
+    assert "max_model_len=48" in outs[1].message and "tokens" in outs[1].message
+    assert _idle(llm)
+    # The same prompts one by one give the same tokens: the bad one changed nothing.
+    alone = llm.generate(["good two"], GREEDY, use_tqdm=False)[0]
+    assert alone.outputs[0].token_ids == outs[2].outputs[0].token_ids
+
+
+def test_front_ends_agree_on_an_overlong_prompt(llm):
+    long = [1] * 60
+    streamed = [o for o in llm.generate_stream([[5, 6], long], GREEDY)]
+    ignored = [o for o in streamed if o.outputs[0].finish_reason == "ignored"]
+    assert len(ignored) == 1 and ignored[0].message
+    llm.add_request("long-by-hand", long, GREEDY)
+    out = llm.output("long-by-hand")
+    assert out.finished and out.outputs[0].finish_reason == "ignored"
+    chat = llm.chat([{"role": "user", "content": "word " * 80}], GREEDY)
+    assert chat.outputs[0].finish_reason == "ignored" and "max_model_len" in chat.message
+    assert _idle(llm)
+
+
+@pytest.mark.parametrize("prompts, params, match", [
+    (["a", "b", "c"], [GREEDY, GREEDY], "2 given for 3 prompts"),
+    (["a", None], GREEDY, r"prompts\[1\]: must be a string"),
+    (["a", []], GREEDY, r"prompts\[1\]: must have at least one token"),
+    (["a", [1, 10**9]], GREEDY, r"prompts\[1\]: token ids must be in \[0, vocab_size"),
+    (["a", [1.5]], GREEDY, r"prompts\[1\]: token ids must be integers"),
+    (["a", "b"], [GREEDY, "greedy"], "sampling_params: must be a SamplingParams"),
+    (["a", "b"], [GREEDY, SamplingParams(n=9)], "max_num_seqs=8"),
+    (None, GREEDY, "prompts: must be"),
+])
+def test_generate__a_malformed_batch_is_rejected_whole_with_nothing_queued(llm, prompts, params, match):
+    before = len(llm._requests)
+    with pytest.raises(ValueError, match=match):
+        llm.generate(prompts, params, use_tqdm=False)
+    assert len(llm._requests) == before and _idle(llm)
+
+
+def test_chat__a_list_of_conversations_returns_a_list(llm):
+    convs = [[{"role": "user", "content": "Hi"}], [{"role": "user", "content": "Bye"}]]
+    outs = llm.chat(convs, GREEDY)
+    assert isinstance(outs, list) and len(outs) == 2
+    one = llm.chat(convs[1], GREEDY)
+    assert one.outputs[0].token_ids == outs[1].outputs[0].token_ids
+    with pytest.raises(ValueError, match=r"messages\[1\]: must be a non-empty list"):
+        llm.chat([convs[0], [{"role": "user"}]], GREEDY)
+
+
+def test_llm__max_model_len_beyond_the_models_context_is_rejected_with_both_numbers(tokenizer):
+    from jaxsched import LLM
+    config = LlamaConfig(vocab_size=tokenizer.vocab_size, hidden_size=16, intermediate_size=32,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                         max_position_embeddings=128)
+    with pytest.raises(ValueError, match="max_model_len: 100000 .* context length 128"):
+        LLM(LlamaForCausalLM(config, nnx.Rngs(0)), tokenizer=tokenizer, max_model_len=100000)
+
+
+def test_llm__bad_engine_arguments_fail_before_the_model_loads():
+    from jaxsched import LLM
+    # A model path that does not exist: the config error must come first.
+    with pytest.raises(ValueError, match="preemption_mode"):
+        LLM("/nonexistent/model.gguf", preemption_mode="bogus")
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        LLM("/nonexistent/model.gguf", max_num_seqs=0)
+
+
+# ----------------------------------------------------------------------------- SamplingParams
+
+
+@pytest.mark.parametrize("field, value", [
+    ("n", None), ("n", 0), ("n", 1.5), ("temperature", None), ("temperature", float("nan")),
+    ("temperature", -1), ("top_p", None), ("top_p", 0.0), ("top_p", 2), ("top_p", "x"),
+    ("top_k", None), ("top_k", -5), ("top_k", 1.0), ("min_p", None), ("min_p", 1.5),
+    ("seed", "7"), ("seed", -1), ("seed", 2**31), ("max_tokens", None), ("max_tokens", 0),
+    ("max_tokens", True), ("min_tokens", None), ("min_tokens", 99), ("stop_token_ids", None),
+    ("stop_token_ids", [1, -2]), ("stop_token_ids", list(range(9))), ("ignore_eos", None),
+    ("ignore_eos", "yes"), ("logprobs", 5), ("logprobs", "1"),
+])
+def test_sampling_params__every_bad_field_gets_one_line_naming_it(field, value):
+    with pytest.raises(ValueError) as info:
+        SamplingParams(**{field: value})
+    message = str(info.value)
+    assert message.startswith(f"SamplingParams.{field}: ") and "\n" not in message
+
+
+def test_sampling_params__engine_limits_are_named():
+    with pytest.raises(ValueError, match="max_seqs_per_group=4"):
+        SamplingParams(n=5).validate(max_num_seqs=8, max_seqs_per_group=4)
+    with pytest.raises(ValueError, match="max_model_len=32"):
+        SamplingParams(max_tokens=33).validate(max_model_len=32)
+    assert SamplingParams(stop_token_ids=[3, 4]).stop_token_ids == (3, 4)
+
+
+# ----------------------------------------------------------------------------- imports
+
+
+def test_import__vllms_first_line_works():
+    import jaxsched
+    from jaxsched import LLM, CompletionOutput, RequestOutput, SamplingParams  # noqa: F401
+    assert callable(jaxsched.sweep) and jaxsched.sweep.__module__ == "jaxsched.sweep"
+
+
+def test_config__default_spells_vllms_default_mode():
+    assert SchedulerConfig(preemption_mode="default").preemption_mode is None
+    with pytest.raises(ValueError, match="preemption_mode"):
+        SchedulerConfig(preemption_mode="bogus")
+
+
+# ----------------------------------------------------------------------------- traces
+
+
+def _trace(config=None, requests=None):
+    return {"config": {"num_device_blocks": 16, **(config or {})},
+            "requests": [{"id": "a", "prompt_len": 8, "max_tokens": 4}] if requests is None else requests}
+
+
+@pytest.mark.parametrize("trace, field", [
+    (_trace({"step_time": "fast"}), "step_time"),
+    (_trace({"max_steps": None}), "max_steps"),
+    (_trace(requests=[]), "requests"),
+    (_trace({"num_device_blocks": 10**12}), "num_device_blocks"),
+    (_trace({"enable_chunked_prefill": "yes"}), "enable_chunked_prefill"),
+    (_trace({"preemption_mode": 3}), "preemption_mode"),
+    (_trace(requests=[{"id": "a", "prompt_len": 10**9, "max_tokens": 1}]), "prompt_len"),
+])
+def test_trace__bad_fields_are_named(trace, field):
+    with pytest.raises(TraceError, match=field):
+        parse_trace(trace)
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.floats()
+                    | st.text(max_size=5), lambda kids: st.lists(kids, max_size=3)
+                    | st.dictionaries(st.text(max_size=5), kids, max_size=3), max_leaves=5)
+CONFIG_FIELDS = ["block_size", "num_device_blocks", "num_host_blocks", "max_num_seqs",
+                 "max_num_batched_tokens", "max_model_len", "enable_chunked_prefill",
+                 "preemption_mode", "preemption_costs", "delay_factor", "watermark", "step_time",
+                 "max_steps", "artificial_preemption", "seed"]
+REQUEST_FIELDS = ["id", "arrival_step", "prompt_len", "max_tokens", "n"]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@given(config=st.dictionaries(st.sampled_from(CONFIG_FIELDS), JSON, max_size=4),
+       requests=st.lists(st.dictionaries(st.sampled_from(REQUEST_FIELDS), JSON, max_size=5),
+                         max_size=3) | JSON,
+       top=st.dictionaries(st.sampled_from(["config", "requests", "extra"]), JSON, max_size=1))
+def test_trace__no_json_value_reaches_a_traceback(config, requests, top):
+    for data in ({"config": config, "requests": requests}, {**top}, requests, config):
+        try:
+            trace = parse_trace(data)
+        except TraceError as e:
+            assert "\n" not in str(e)
+        else:
+            assert trace.requests and trace.step_time > 0 and trace.max_steps >= 1
+
+
+def test_simulate_cli__config_without_host_blocks_replays_and_bad_fields_exit_2(tmp_path):
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps({"config": {"num_device_blocks": 16, "block_size": 4},
+                                "requests": [{"id": "a", "prompt_len": 8, "max_tokens": 4}]}))
+    done = subprocess.run([sys.executable, "-m", "jaxsched.cli", "simulate", str(good),
+                           "--compilation-cache-dir", "off"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "peak_host_blocks_used" in done.stdout
+    for config, field in (({"step_time": "fast"}, "step_time"), ({"max_steps": None}, "max_steps")):
+        bad = tmp_path / f"{field}.json"
+        bad.write_text(json.dumps(_trace(config)))
+        done = subprocess.run([sys.executable, "-m", "jaxsched.cli", "simulate", str(bad)],
+                              capture_output=True, text=True)
+        assert done.returncode == 2 and field in done.stderr
+        assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def _walk(parser, path=()):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, child in action.choices.items():
+                yield from _walk(child, (*path, name))
+        else:
+            yield path, parser, action
+
+
+def test_cli__every_flag_of_every_subcommand_has_help_and_shows_its_default():
+    from jaxsched.cli import build_parser
+    parser = build_parser()
+    assert "scheduler" in parser.description and "vLLM" in parser.description
+    seen = set()
+    for path, owner, action in _walk(parser):
+        seen.add(path)
+        if action.dest == "help" or not path:
+            continue
+        assert action.help, f"jaxsched {' '.join(path)} {action.option_strings}: no help text"
+        assert owner.formatter_class is argparse.ArgumentDefaultsHelpFormatter, path
+    assert {("generate",), ("simulate",), ("sweep",), ("trace", "generate")} <= seen
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["generate", "--max-tokens", "0"], "SamplingParams.max_tokens"),
+    (["generate", "--preemption-mode", "bogus"], "preemption_mode"),
+    (["generate", "--top-p", "2"], "SamplingParams.top_p"),
+    (["generate", "--n", "9"], "max_num_seqs=8"),
+])
+def test_cli__bad_flags_exit_2_before_the_model_loads(argv, match, capsys, monkeypatch):
+    from jaxsched import cli
+    import jaxsched.llm
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the flags were checked")
+    monkeypatch.setattr(jaxsched.llm.LLM, "__init__", no_load)
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert match in err and len(err.strip().splitlines()) == 1
+
+
+def test_cli__sweep_range_without_a_step_says_so(tmp_path, capsys):
+    from jaxsched import cli
+    trace = tmp_path / "t.json"
+    trace.write_text(json.dumps(_trace()))
+    assert cli.main(["sweep", str(trace), "--num-device-blocks", "64:128", "--no-progress"]) == 2
+    assert "start:stop:step" in capsys.readouterr().err
+
+
+def test_cli__preemption_mode_default_is_accepted_by_every_subcommand(tmp_path):
+    from jaxsched.cli import build_parser, check_engine_kwargs, engine_kwargs
+    args = build_parser().parse_args(["generate", "--preemption-mode", "default"])
+    assert check_engine_kwargs(engine_kwargs(args)).preemption_mode is None
+    out = tmp_path / "t.json"
+    from jaxsched import cli
+    assert cli.main(["trace", "generate", "-o", str(out), "--num-requests", "3", "--rate", "1",
+                     "--preemption-mode", "default"]) == 0
+    assert json.loads(out.read_text())["config"]["preemption_mode"] is None
