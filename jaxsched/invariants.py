@@ -23,6 +23,7 @@ CHECKS = (
     "block tables cover each running sequence's tokens",
     "the step respects max_num_batched_tokens",
     "the step respects max_num_seqs",
+    "every scheduled group gets at least one token (no chunk <= 0)",
 )
 
 
@@ -62,13 +63,15 @@ def invariant_violations(state: SchedulerState, output=None) -> jax.Array:
     need = (state.num_tokens + lim.block_size - 1) // lim.block_size
     running = alive & (status == RUNNING)[:, None]
     cover = (running & ((state.num_blocks > need) | (state.num_blocks < need - 1))).any()
-    over_tokens = over_seqs = jnp.asarray(False)
+    over_tokens = over_seqs = empty_chunk = jnp.asarray(False)
     if output is not None:
         charged = jnp.where(output.is_prefill, output.num_scheduled_tokens, output.num_seqs)
         over_tokens = charged.sum() > lim.max_num_batched_tokens
         over_seqs = output.num_seqs.sum() > lim.max_num_seqs
+        # vLLM can hand out chunks of 0 or fewer tokens after an overdraw (SPEC A6, B3).
+        empty_chunk = (output.scheduled & (output.num_scheduled_tokens <= 0)).any()
     return jnp.stack([dev_refs, host_refs, dev_pool, host_pool, one_state, computed, equal, cover,
-                      over_tokens, over_seqs])
+                      over_tokens, over_seqs, empty_chunk])
 
 
 _violations = jax.jit(invariant_violations)

@@ -25,8 +25,8 @@ from jaxsched import placement
 from jaxsched.block_pool import entry_valid, exclusive_cumsum, first_holder, num_free
 from jaxsched.config import Capacity, SchedulerConfig
 from jaxsched.placement import Blocks, no_pairs
-from jaxsched.preemption import (free_victims, no_victims, pick_modes, preempted_fields,
-                                 recompute_tokens)
+from jaxsched.preemption import (choose_modes, free_victims, no_victims, pick_modes,
+                                 preempted_fields, recompute_tokens)
 from jaxsched.state import (FINISHED, IGNORE_NEVER_FITS, IGNORE_PROMPT_TOO_LONG, IGNORED,
                             RUNNING, SWAPPED, WAITING, SchedulerOutput, SchedulerState)
 from jaxsched.walks import (PrefixWalk, Queues, RunningInputs, order_is_cached, prefix_walk,
@@ -146,12 +146,16 @@ def _running(state, cap, d, q: Queues, free, enabled):
         append_d = jnp.where(d["is_run"], d["appends"], 0)
         inp = RunningInputs(num_seqs=t(d["n_live"]), need=t(append_d), held=t(d["held"]),
                             full=t(full), is_prefill=t(d["in_prefill"]))
+        # SPEC B5 applies only where a lone prefill at the head would be recomputed.
+        head = lax.cond(inp.is_prefill[0], lambda: _head_recomputes(state, cap, d, order, m),
+                        lambda: jnp.asarray(True))
         if cap.artificial_preemption:
             key = jax.random.fold_in(state.rng, state.step)
-            walk, cnt = running_walk_loop(inp, m, free, lim.max_num_batched_tokens, key, count)
+            walk, cnt = running_walk_loop(inp, m, free, lim.max_num_batched_tokens, key, count,
+                                          head_recomputes=head)
         else:
             bound = cap.num_slots * cap.max_seqs_per_group * (cap.max_blocks_per_seq + 1)
-            walk, cnt = running_walk(inp, m, free, lim.max_num_batched_tokens, bound), count
+            walk, cnt = running_walk(inp, m, free, lim.max_num_batched_tokens, bound, head), count
         return Running(*q.to_slots(1, d["is_run"], *walk), walk.preempted, cnt)
 
     def everyone():
@@ -167,6 +171,21 @@ def _running(state, cap, d, q: Queues, free, enabled):
     fits = _everyone_fits(d, lim, free, cap)
     branch = jnp.where(enabled & (q.count[1] > 0), jnp.where(fits, 1, 2), 0)
     return lax.switch(branch, [skip, everyone, walk])
+
+
+def _head_recomputes(state, cap: Capacity, d, order, m) -> jax.Array:
+    """Would the head of `running` be recomputed, preempted after every group behind it?
+
+    That is the only way a lone head prefill is preempted (SPEC B5): the tail goes first,
+    taking host blocks where it swaps, so the head's mode is `choose_modes` over them all.
+    """
+    lim = state.limits
+    t = lambda x: jnp.take(x, order, axis=0)
+    tokens = recompute_tokens(state.prompt_len, state.seq_alive, state.num_tokens, cap.block_size)
+    everyone = jnp.arange(order.shape[0]) < m
+    swap_w, _ = choose_modes(everyone, t(d["nmax"]), t(d["held"]), t(tokens), lim.preemption_mode,
+                             lim.costs, num_free(state.host_ref, lim.num_host_blocks))
+    return ~swap_w[0]
 
 
 def _everyone_fits(d, lim, free, cap: Capacity) -> jax.Array:

@@ -38,22 +38,39 @@ class RunningInputs(NamedTuple):
 
 
 def _walk_tokens(inp: RunningInputs, real: jax.Array, budget: jax.Array, full_before=None):
-    """Per group: tokens left before it, its chunk, and whether the walk stops at it (B3)."""
+    """Per group: its chunk, its charge, and where the walk stops (SPEC A6, B3).
+
+    A one-sequence group gets min(uncomputed tokens, budget left), and 0 stops the walk
+    before its append check (`stop`). A forked decode takes its k tokens unchecked (A6), so
+    one past the budget still runs its append check and preemptions, and only then stops
+    the walk unscheduled (`over`). Returns (chunk, charged, stop, over).
+    """
     if full_before is None:
         full_before = exclusive_cumsum(jnp.where(real, inp.full, 0))
     left = budget - full_before
+    forked = ~inp.is_prefill & (inp.num_seqs > 1)
     chunk = jnp.where(inp.is_prefill, jnp.minimum(inp.full, left), 1)
-    stops = real & jnp.where(inp.is_prefill, jnp.minimum(inp.full, left) <= 0, left < inp.num_seqs)
+    stop = real & ~forked & (jnp.minimum(chunk, left) <= 0)
+    over = real & forked & (left < inp.num_seqs)
     charged = jnp.where(inp.is_prefill, chunk, inp.num_seqs)
-    return chunk, charged, stops
+    return chunk, charged, stop, over
+
+
+def _visited(stop, over, m):
+    """(groups append-checked, does the last of them stop the walk unscheduled?)"""
+    s_stop, s_over = first_true(stop, m), first_true(over, m)
+    over_hit = s_over < s_stop
+    return jnp.where(over_hit, s_over + 1, s_stop), over_hit
 
 
 def running_walk(inp: RunningInputs, m: jax.Array, free: jax.Array, budget: jax.Array,
-                 block_bound: int | None = None) -> RunningWalk:
-    """SPEC A4.4 / A6 running walk with B3 and B5a, loop-free (DESIGN-walks closed form).
+                 block_bound: int | None = None, head_recomputes=True) -> RunningWalk:
+    """SPEC A4.4 / A6 running walk with B3 and B5, loop-free (DESIGN-walks closed form).
 
     `block_bound` (static) bounds the sum of all `need` and `held`; it lets their prefix
-    sums run in float32 (see `block_pool.cumsum`).
+    sums run in float32 (see `block_pool.cumsum`). `head_recomputes`: the head group, were
+    it preempted after every group behind it, would be recomputed; only then does B5 let a
+    lone partial prefill go on (by swap vLLM swaps it out, which finishes).
     """
     g = inp.num_seqs.shape[0]
     pos = jnp.arange(g, dtype=jnp.int32)
@@ -63,14 +80,14 @@ def running_walk(inp: RunningInputs, m: jax.Array, free: jax.Array, budget: jax.
     held = jnp.where(real, inp.held, 0)
     full = jnp.where(real, inp.full, 0)
     need_incl, held_incl = cumsum(jnp.stack([need, held]), axis=1, bound=block_bound)
-    chunk, charged, stops = _walk_tokens(inp, real, budget, exclusive_cumsum(full))
-    s = first_true(stops, m)
+    chunk, charged, stop, over = _walk_tokens(inp, real, budget, exclusive_cumsum(full))
+    s, over_hit = _visited(stop, over, m)
     visited = pos < s
     x = free + held_incl[-1] - (need_incl - need) - k
     x_min = cummin(jnp.where(visited, x, BIG))
     reached = (visited & (held_incl <= x_min)).sum(dtype=jnp.int32)
     failed = reached < s
-    lone_prefill = failed & (reached == 0) & inp.is_prefill[0]          # SPEC B5a
+    lone_prefill = failed & (reached == 0) & inp.is_prefill[0] & head_recomputes   # SPEC B5
     # Fewest tail victims that let every visited group pass: the largest prefix P[i] <= min X.
     held_excl = jnp.concatenate([held_incl - held, held_incl[-1:]])
     bound = x_min[jnp.maximum(s - 1, 0)]
@@ -78,7 +95,9 @@ def running_walk(inp: RunningInputs, m: jax.Array, free: jax.Array, budget: jax.
     fits = (jnp.arange(g + 1) <= m) & (held_excl <= bound)
     first_victim = fits.sum(dtype=jnp.int32) - 1
     first_victim = jnp.where(failed, jnp.where(lone_prefill, 1, reached), first_victim)
-    num_served = jnp.where(failed, jnp.where(lone_prefill, 1, reached), s)
+    # A forked decode past the budget passed its check (and made its victims) but is not
+    # scheduled: it stays at the head of `running` (B3).
+    num_served = jnp.where(failed, jnp.where(lone_prefill, 1, reached), s - over_hit)
     preempted = real & (pos >= first_victim)
     return RunningWalk(served=pos < num_served, preempted=preempted,
                        preempt_order=jnp.where(preempted, m - 1 - pos, 0),
@@ -86,17 +105,18 @@ def running_walk(inp: RunningInputs, m: jax.Array, free: jax.Array, budget: jax.
 
 
 def running_walk_loop(inp: RunningInputs, m: jax.Array, free: jax.Array, budget: jax.Array,
-                      key: jax.Array, count: jax.Array, fail_prob: float = 0.5):
+                      key: jax.Array, count: jax.Array, fail_prob: float = 0.5,
+                      head_recomputes=True):
     """The running walk one group at a time, with artificial append failures (SPEC A8).
 
     The draw for the a-th append check of this walk is uniform(fold_in(key, a)). Returns the
-    walk and the forced-failure counter left.
+    walk and the forced-failure counter left. `head_recomputes` as in `running_walk`.
     """
     g = inp.num_seqs.shape[0]
     pos = jnp.arange(g, dtype=jnp.int32)
     real = pos < m
-    chunk, charged, stops = _walk_tokens(inp, real, budget)
-    s = first_true(stops, m)
+    chunk, charged, stop, over = _walk_tokens(inp, real, budget)
+    s, over_hit = _visited(stop, over, m)
 
     def cond(c):
         i, tail, *_ , done = c
@@ -105,12 +125,13 @@ def running_walk_loop(inp: RunningInputs, m: jax.Array, free: jax.Array, budget:
     def body(c):
         i, tail, f, attempt, cnt, served, preempted, order, n_pre, done = c
         at_stop = (i >= tail) | (i >= s)
+        over_here = over_hit & (i == s - 1)      # checked, then left unscheduled (B3)
         u = jax.random.uniform(jax.random.fold_in(key, attempt))
         forced = (u < fail_prob) & (cnt > 0)
         passes = ~forced & (f >= inp.num_seqs[i])
         victim_left = tail - 1 > i
-        lone = ~passes & ~victim_left & (served.sum() == 0) & inp.is_prefill[i]
-        serve = ~at_stop & (passes | lone)
+        lone = ~passes & ~victim_left & (served.sum() == 0) & inp.is_prefill[i] & head_recomputes
+        serve = ~at_stop & (passes | lone) & ~over_here
         take_tail = ~at_stop & ~passes & victim_left
         self_preempt = ~at_stop & ~passes & ~victim_left & ~lone
         v = jnp.where(take_tail, tail - 1, i)
@@ -122,7 +143,7 @@ def running_walk_loop(inp: RunningInputs, m: jax.Array, free: jax.Array, budget:
         return (i + serve.astype(jnp.int32), tail - take_tail.astype(jnp.int32), f,
                 attempt + (~at_stop).astype(jnp.int32), cnt - (~at_stop & forced).astype(jnp.int32),
                 served, preempted, order, n_pre + preempt.astype(jnp.int32),
-                at_stop | self_preempt | (lone & serve))
+                at_stop | self_preempt | (lone & serve) | (~at_stop & passes & over_here))
 
     zeros_b = jnp.zeros((g,), bool)
     init = (jnp.int32(0), m, free, jnp.int32(0), count, zeros_b, zeros_b,

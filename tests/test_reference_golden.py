@@ -187,28 +187,50 @@ def test_reference__artificial_preemption_is_deterministic():
 
 @st.composite
 def traces(draw):
+    """Random workloads; about half in the tight region of vLLM's edge cases: tiny pools,
+    max_num_seqs 1-2 with n up to 4, chunked budgets of 16-64, bursts of simultaneous
+    arrivals, prompts at block and budget edges."""
     chunked = draw(st.booleans())
-    max_num_seqs = draw(st.integers(1, 12))
-    config = make_config(
-        block_size=draw(st.sampled_from([4, 8, 16])),
-        num_device_blocks=draw(st.integers(6, 80)),
-        num_host_blocks=draw(st.sampled_from([0, 8, 40, 200])),
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=draw(st.sampled_from([8, 32, 128, 512])),
-        max_model_len=draw(st.sampled_from([64, 256, 1024])),
-        enable_chunked_prefill=chunked,
-        preemption_mode=draw(st.sampled_from([None, "recompute", "swap", "auto"])),
-        delay_factor=draw(st.sampled_from([0.0, 0.5, 1.5])),
-        watermark=draw(st.sampled_from([0.0, 0.01, 0.1])), max_steps=20000)
+    block_size = draw(st.sampled_from([4, 8, 16]))
+    if draw(st.booleans()):
+        max_num_seqs = draw(st.integers(1, 2))
+        budget = draw(st.sampled_from([16, 24, 32, 48, 64]))
+        config = make_config(
+            block_size=block_size, num_device_blocks=draw(st.integers(2, 16)),
+            num_host_blocks=draw(st.sampled_from([0, 4, 8, 45])), max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=budget, max_model_len=draw(st.sampled_from([48, 128, 256])),
+            enable_chunked_prefill=chunked,
+            preemption_mode=draw(st.sampled_from([None, "recompute", "swap", "auto"])),
+            delay_factor=draw(st.sampled_from([0.0, 0.5, 1.5])),
+            watermark=draw(st.sampled_from([0.0, 0.01, 0.1])), max_steps=20000)
+        edges = sorted({x for x in [k * block_size + d for k in range(1, 6) for d in (-1, 0, 1)]
+                        + [budget - 1, budget, budget + 1] if x >= 1})
+        arrival = st.integers(0, 3)                  # bursts: many arrive in the same step
+        prompt = st.one_of(st.sampled_from(edges), st.integers(1, 80))
+        n = st.integers(1, 4)
+    else:
+        max_num_seqs = draw(st.integers(1, 12))
+        config = make_config(
+            block_size=block_size,
+            num_device_blocks=draw(st.integers(6, 80)),
+            num_host_blocks=draw(st.sampled_from([0, 8, 40, 200])),
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=draw(st.sampled_from([8, 32, 128, 512])),
+            max_model_len=draw(st.sampled_from([64, 256, 1024])),
+            enable_chunked_prefill=chunked,
+            preemption_mode=draw(st.sampled_from([None, "recompute", "swap", "auto"])),
+            delay_factor=draw(st.sampled_from([0.0, 0.5, 1.5])),
+            watermark=draw(st.sampled_from([0.0, 0.01, 0.1])), max_steps=20000)
+        arrival, prompt = st.integers(0, 20), st.integers(1, 200)
+        n = st.sampled_from([1, 1, 2, 3, 5])
     if not chunked:
         config["max_num_batched_tokens"] = max(config["max_num_batched_tokens"], max_num_seqs)
-    requests = draw(st.lists(st.tuples(st.integers(0, 20), st.integers(1, 200),
-                                       st.integers(1, 60), st.sampled_from([1, 1, 2, 3, 5])),
+    requests = draw(st.lists(st.tuples(arrival, prompt, st.integers(1, 60), n),
                              min_size=1, max_size=12))
     return make_trace(sorted(requests), **config)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(traces())
 def test_reference__every_request_finishes_and_blocks_balance(trace):
     got = simulate_reference(trace, on_step=check_invariants)
