@@ -11,16 +11,27 @@ without recompiling.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 from typing import Optional
 
 from jaxsched.cost_model import DEFAULT_COSTS, PreemptionCosts
 
-# Mode ids as stored in the limits. PREEMPT_DEFAULT is vLLM's default (None: recompute a
-# one-sequence group, swap a bigger one); PREEMPT_COST is "auto", the cheaper of the two by
-# the config's cost model (cost_model.py).
-PREEMPTION_MODES = {None: 0, "recompute": 1, "swap": 2, "auto": 3}
-PREEMPT_DEFAULT, PREEMPT_RECOMPUTE, PREEMPT_SWAP, PREEMPT_COST = 0, 1, 2, 3
+class PreemptionMode(enum.IntEnum):
+    """Mode ids as stored in the limits; RECOMPUTE and SWAP also say how a group was
+    preempted (SchedulerOutput.preempted, 0 for not at all). DEFAULT is vLLM's default
+    (None: recompute a one-sequence group, swap a bigger one); COST is "auto", the cheaper
+    of the two by the config's cost model (cost_model.py)."""
+    DEFAULT = 0
+    RECOMPUTE = 1
+    SWAP = 2
+    COST = 3
+
+
+PREEMPTION_MODES = {None: PreemptionMode.DEFAULT, "recompute": PreemptionMode.RECOMPUTE,
+                    "swap": PreemptionMode.SWAP, "auto": PreemptionMode.COST}
+# Short names for the jitted code.
+PREEMPT_DEFAULT, PREEMPT_RECOMPUTE, PREEMPT_SWAP, PREEMPT_COST = PreemptionMode
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,16 +22,18 @@ import numpy as np
 from flax import nnx
 
 from jaxsched.compilation_cache import enable_compilation_cache
-from jaxsched.config import SchedulerConfig
+from jaxsched.config import PreemptionMode, SchedulerConfig
 from jaxsched.cost_model import PreemptionCosts, measure_preemption_costs
 from jaxsched.engine import (EngineSpec, NewRequests, SamplingRows, init_engine, step,
                              step_impl, token_buckets)
 from jaxsched.kv_cache import init_kv_cache
 from jaxsched.params import MAX_STOP_TOKEN_IDS, CompletionOutput, RequestOutput, SamplingParams
 from jaxsched.requests import RequestBatch, abort as abort_slots
-from jaxsched.state import IGNORE_REASONS, set_limits
+from jaxsched.state import IGNORE_REASONS, FinishReason, Status, set_limits
 
-FINISH = {1: "length", 2: "stop", 3: "ignored", 4: "abort"}
+# vLLM's finish_reason strings.
+FINISH = {FinishReason.LENGTH_CAPPED: "length", FinishReason.STOPPED: "stop",
+          FinishReason.IGNORED: "ignored", FinishReason.ABORTED: "abort"}
 ENGINE_ARGS = {f.name for f in dataclasses.fields(SchedulerConfig)}
 Prompt = Union[str, Sequence[int]]
 
@@ -276,7 +278,7 @@ class LLM:
             self._finish(req, ["abort"] * req.params.n)
             return
         sched = self.state.sched
-        mask = (sched.request_index == idx) & (sched.status != 0)
+        mask = (sched.request_index == idx) & (sched.status != Status.EMPTY)
         self.state = self.state.replace(sched=abort_slots(sched, mask))
 
     def has_unfinished(self) -> bool:
@@ -356,8 +358,8 @@ class LLM:
     def _absorb(self, out) -> list[RequestOutput]:
         st = self._stats
         st["steps"] += 1
-        st["preempted_recompute"] += int((out.preempted == 1).sum())
-        st["preempted_swap"] += int((out.preempted == 2).sum())
+        st["preempted_recompute"] += int((out.preempted == PreemptionMode.RECOMPUTE).sum())
+        st["preempted_swap"] += int((out.preempted == PreemptionMode.SWAP).sum())
         st["blocks_swapped_out"] += int(out.num_swap_out)
         st["blocks_swapped_in"] += int(out.num_swap_in)
         st["blocks_copied"] += int(out.num_copy)
@@ -386,7 +388,7 @@ class LLM:
                 reasons = [FINISH.get(int(out.seq_finish_reason[slot, i]), FINISH.get(int(out.finish_reason[slot])))
                            for i in range(req.params.n)]
                 message = None
-                if int(out.finish_reason[slot]) == 3:
+                if int(out.finish_reason[slot]) == FinishReason.IGNORED:
                     message = IGNORE_REASONS.get(int(out.ignore_reason[slot]), "ignored")
                     st["ignored"] += 1
                 self._finish(req, reasons, message)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxsched.config import Capacity, SchedulerConfig
+from jaxsched.config import PREEMPT_RECOMPUTE, PREEMPT_SWAP, Capacity, SchedulerConfig
 from jaxsched.invariants import CHECKS, InvariantError, describe, invariant_violations
 from jaxsched.requests import RequestBatch, add_requests, free_finished, update
 from jaxsched.scheduler import schedule_step
@@ -150,9 +150,9 @@ def _report(trace: Trace, rec: np.ndarray, free: np.ndarray) -> dict:
             "step": step,
             "scheduled": [{"id": name(sl), "num_tokens": int(r[R_TOKENS, sl]),
                            "num_seqs": int(r[R_SEQS, sl])} for sl in sched],
-            "preempted": [{"id": name(sl), "mode": "recompute" if r[R_PREEMPT, sl] == 1 else "swap"}
+            "preempted": [{"id": name(sl), "mode": "recompute" if r[R_PREEMPT, sl] == PREEMPT_RECOMPUTE else "swap"}
                           for sl in pre],
-            "swapped_out": [name(sl) for sl in pre if r[R_PREEMPT, sl] == 2],
+            "swapped_out": [name(sl) for sl in pre if r[R_PREEMPT, sl] == PREEMPT_SWAP],
             "swapped_in": [name(sl) for sl in np.nonzero(r[R_SWAP_IN])[0]],
             "ignored": [name(sl) for sl in ignored],
             "finished": [name(sl) for sl in fin],

@@ -8,10 +8,12 @@ state by construction. Queue order is a key per slot: `running` and `swapped` wa
 (arrival_time, queue_key) order, `waiting` in queue_key order (SPEC A2).
 
 Storage is one flat int32 array (three for big states) because every array that crosses a
-jitted call costs microseconds on XLA's CPU backend (STYLE.md), and every buffer a step
-writes is one more kernel: the state crosses as one to three arrays instead of thirty-eight,
-and a step writes each with one concatenation. Every field keeps its name as a read-only property (a static slice,
-free inside jit) and `state.replace(field=...)` writes fields back:
+jitted call costs microseconds on XLA's CPU backend, and every buffer a step writes is one
+more kernel: the state crosses as one to three arrays instead of thirty-eight, and a step
+writes each with one concatenation. Each field is declared once, as a `Field` in
+SchedulerState's body (shape, storage kind, meaning); its typed accessor (a static slice,
+free inside jit), the storage layout, the encoders and the class docs all come from that
+table, and `state.replace(field=...)` writes fields back:
 
     data: (int32[N],)  the fields of FIELDS in order, each flattened; or, when that is more
                        than ONE_LEAF_BYTES, (int32[N0], int32[N1], int32[N2]): the same
@@ -24,6 +26,8 @@ also work on states stacked along leading axes (vmap).
 """
 from __future__ import annotations
 
+import dataclasses
+import enum
 import functools
 import math
 
@@ -35,18 +39,41 @@ from jax import lax
 from jaxsched.config import Capacity, SchedulerConfig
 from jaxsched.cost_model import FIELDS as COST_FIELDS
 
-# Group status: which queue holds the slot.
-EMPTY, WAITING, RUNNING, SWAPPED, FINISHED = 0, 1, 2, 3, 4
-# Finish reasons (per group and per sequence).
-NOT_FINISHED, LENGTH_CAPPED, STOPPED, IGNORED, ABORTED = 0, 1, 2, 3, 4
-FINISH_NAMES = {LENGTH_CAPPED: "finished_length_capped", STOPPED: "finished_stopped",
-                IGNORED: "finished_ignored", ABORTED: "finished_aborted"}
-# Why a request was ignored.
-IGNORE_NONE, IGNORE_PROMPT_TOO_LONG, IGNORE_NEVER_FITS, IGNORE_TOO_MANY_SEQS = 0, 1, 2, 3
+class Status(enum.IntEnum):
+    """Which queue holds a slot."""
+    EMPTY = 0
+    WAITING = 1
+    RUNNING = 2
+    SWAPPED = 3
+    FINISHED = 4
+
+
+class FinishReason(enum.IntEnum):
+    """Why a group or a sequence finished."""
+    NOT_FINISHED = 0
+    LENGTH_CAPPED = 1
+    STOPPED = 2
+    IGNORED = 3
+    ABORTED = 4
+
+
+class IgnoreReason(enum.IntEnum):
+    """Why a request was ignored."""
+    NONE = 0
+    PROMPT_TOO_LONG = 1
+    NEVER_FITS = 2
+    TOO_MANY_SEQS = 3
+
+
+# Short names for the jitted code, which compares against them everywhere.
+EMPTY, WAITING, RUNNING, SWAPPED, FINISHED = Status
+NOT_FINISHED, LENGTH_CAPPED, STOPPED, IGNORED, ABORTED = FinishReason
+IGNORE_NONE, IGNORE_PROMPT_TOO_LONG, IGNORE_NEVER_FITS, IGNORE_TOO_MANY_SEQS = IgnoreReason
+FINISH_NAMES = {r: f"finished_{r.name.lower()}" for r in FinishReason if r != NOT_FINISHED}
 IGNORE_REASONS = {
-    IGNORE_PROMPT_TOO_LONG: "prompt longer than the prompt limit",
-    IGNORE_NEVER_FITS: "needs more KV blocks than the device cache can ever hold",
-    IGNORE_TOO_MANY_SEQS: "n is larger than max_num_seqs",
+    IgnoreReason.PROMPT_TOO_LONG: "prompt longer than the prompt limit",
+    IgnoreReason.NEVER_FITS: "needs more KV blocks than the device cache can ever hold",
+    IgnoreReason.TOO_MANY_SEQS: "n is larger than max_num_seqs",
 }
 
 
@@ -88,22 +115,30 @@ class Limits:
         return tuple(getattr(self, name) for name in COST_FIELDS)
 
 
-# The layout: (name, shape in terms of the dims) in storage order. Fields a steady decode
-# step rewrites sit together, so `replace` copies the rest in a few long slices.
-# `walk_order` is the scheduler's cache of the last queue order (a permutation of slots);
-# schedule checks it and re-sorts when it is stale, so nobody else maintains it.
 LIMIT_FIELDS = tuple(Limits.__dataclass_fields__)
-FIELDS = (
-    ("queue_key", "G"), ("walk_order", "G"), ("tail_key", ""), ("step", ""), ("prev_time", ""),
-    ("last_prompt_latency", ""), ("prev_admitted", ""),
-    ("status", "G"), ("finish_reason", "G"), ("ignore_reason", "G"), ("arrival_time", "G"),
-    ("request_index", "G"), ("prompt_len", "G"), ("n", "G"), ("max_tokens", "G"),
-    ("forked", "G"), ("prefill_done", "G"), ("prefill_total", "G"), ("num_preemptions", "G"),
-    ("front_key", ""), ("rng", "2"), ("artificial_count", ""),
-) + tuple((f, "") for f in LIMIT_FIELDS) + (
-    ("seq_alive", "GS"), ("seq_finish_reason", "GS"), ("num_tokens", "GS"), ("num_blocks", "GS"),
-    ("block_table", "GSM"), ("host_table", "GSM"), ("device_ref", "D"), ("host_ref", "H"),
-)
+_LIMIT_KINDS = {name: "float32" if name == "delay_factor" or name in COST_FIELDS else "int32"
+                for name in LIMIT_FIELDS}
+
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+    """One named field of the state: its shape over the dims (G, S, M, D, H; "2" a pair; ""
+    a scalar), how it is stored in the int32 leaves, and what it means. Declared once in
+    SchedulerState's body; storage, encoders, the typed accessor and the docs follow."""
+    shape: str
+    kind: str                 # "int32", "float32" (bit-cast), "bool" (0/1), "uint32" (bit-cast)
+    doc: str
+    name: str = ""
+
+    def __set_name__(self, owner, name):
+        object.__setattr__(self, "name", name)
+
+    def __get__(self, state, owner=None) -> jax.Array:
+        if state is None:
+            return self                 # type: ignore[return-value]
+        return state.get(self.name)
+
+
 # Which leaf holds each field, when the state is big enough to take three: the tables and
 # the pools get leaves of their own.
 # NOTE: XLA:CPU splits a kernel that writes more than ~256 KiB across its thread pool, and
@@ -112,18 +147,13 @@ FIELDS = (
 # one leaf: each leaf crossing a jitted call costs a few microseconds.
 _LEAF_OF = {"block_table": 1, "host_table": 1, "device_ref": 2, "host_ref": 2}
 ONE_LEAF_BYTES = 128 * 1024
-FIELD_NAMES = tuple(name for name, _ in FIELDS)
-
-_FLOATS = {"arrival_time", "prev_time", "last_prompt_latency", "delay_factor", *COST_FIELDS}
-_BOOLS = {"forked", "seq_alive", "prev_admitted"}
-_UINTS = {"rng"}
 
 
 @functools.lru_cache(maxsize=None)
 def layout(dims: tuple) -> dict:
     """name -> (leaf, offset, shape) for dims (G, S, M, D, H); plus "sizes" of the leaves."""
     sizes = dict(zip("GSMDH", dims), **{"2": 2})
-    shapes = {name: tuple(sizes[c] for c in spec) for name, spec in FIELDS}
+    shapes = {f.name: tuple(sizes[c] for c in f.shape) for f in FIELDS}
     split = 4 * sum(math.prod(shape) for shape in shapes.values()) > ONE_LEAF_BYTES
     out, offsets = {}, [0] * (3 if split else 1)
     for name, shape in shapes.items():
@@ -136,20 +166,22 @@ def layout(dims: tuple) -> dict:
 
 def encode(name: str, value) -> jax.Array:
     """A field's value as the int32 it is stored as (floats bit-cast, bools 0/1)."""
-    if name in _FLOATS:
+    kind = _KIND[name]
+    if kind == "float32":
         return lax.bitcast_convert_type(jnp.asarray(value, jnp.float32), jnp.int32)
-    if name in _UINTS:
+    if kind == "uint32":
         return lax.bitcast_convert_type(jnp.asarray(value, jnp.uint32), jnp.int32)
     return jnp.asarray(value).astype(jnp.int32)
 
 
 def decode(name: str, stored: jax.Array) -> jax.Array:
     """Inverse of `encode`."""
-    if name in _FLOATS:
+    kind = _KIND[name]
+    if kind == "float32":
         return lax.bitcast_convert_type(stored, jnp.float32)
-    if name in _UINTS:
+    if kind == "uint32":
         return lax.bitcast_convert_type(stored, jnp.uint32)
-    if name in _BOOLS:
+    if kind == "bool":
         return stored != 0
     return stored
 
@@ -159,39 +191,45 @@ class SchedulerState:
     """Everything the scheduler knows. No Python containers: the tree never changes shape.
 
     Leaves: `data`, one to three flat arrays (see the module doc); `dims` = (G, S, M, D, H)
-    is static.
-    Named fields, all read-only properties (write with `replace`):
-      status: int32[G]            EMPTY / WAITING / RUNNING / SWAPPED / FINISHED.
-      finish_reason: int32[G]     reason once FINISHED (LENGTH_CAPPED, STOPPED, IGNORED, ABORTED).
-      ignore_reason: int32[G]     why an IGNORED group was ignored.
-      arrival_time: float32[G]    seconds, the FCFS priority.
-      queue_key: int32[G]         position inside its queue (smaller is nearer the head).
-      request_index: int32[G]     caller's id for the request (e.g. its index in a trace).
-      prompt_len: int32[G]        prompt tokens.
-      n: int32[G]                 parallel samples requested.
-      max_tokens: int32[G]        output tokens after which a sequence is length-capped.
-      forked: bool[G]             the group has sampled its first tokens and holds n sequences.
-      prefill_done: int32[G]      prefill tokens computed so far (chunks add up here).
-      prefill_total: int32[G]     prefill tokens to compute: the prompt, or after a recompute
-                                  the prompt plus outputs (SPEC A5, B1).
-      num_preemptions: int32[G]   times this group was preempted.
-      walk_order: int32[G]        the scheduler's cached queue order (a hint, checked each step).
-      seq_alive: bool[G, S]       sequence exists and is not finished.
-      seq_finish_reason: int32[G, S]
-      num_tokens: int32[G, S]     prompt + output tokens of each sequence.
-      num_blocks: int32[G, S]     entries used in the block table (device or host).
-      block_table: int32[G, S, M] device block ids; unused entries hold the null block 0.
-      host_table: int32[G, S, M]  host block ids while SWAPPED, else 0.
-      device_ref: int32[D]        references to each device block from block tables.
-      host_ref: int32[H]          references to each host block from host tables.
-      tail_key, front_key: int32[] next queue keys for the tail and the front of a queue.
-      step: int32[]               schedule calls so far.
-      prev_time, last_prompt_latency: float32[]  SPEC A7 state.
-      prev_admitted: bool[]       the previous admission walk admitted from waiting.
-      rng: uint32[2]              key for artificial preemption (SPEC A8).
-      artificial_count: int32[]   forced failures left.
-      limits: Limits
+    is static. `limits` (a Limits) is stored with the rest. Named fields, read-only
+    (write with `replace`), in storage order (the list below is generated from them):
     """
+    # Storage order: fields a steady decode step rewrites sit together, so `replace` copies
+    # the rest in a few long slices. The limits are stored between artificial_count and
+    # seq_alive.
+    queue_key = Field("G", "int32", "position inside its queue (smaller is nearer the head)")
+    walk_order = Field("G", "int32", "the scheduler's cached queue order, a permutation of slots "
+                       "(a hint: schedule checks it and re-sorts when it is stale)")
+    tail_key = Field("", "int32", "next queue key for the tail of a queue")
+    step = Field("", "int32", "schedule calls so far")
+    prev_time = Field("", "float32", "SPEC A7: time of the previous schedule call")
+    last_prompt_latency = Field("", "float32", "SPEC A7: latency of the last prompt step")
+    prev_admitted = Field("", "bool", "the previous admission walk admitted from waiting")
+    status = Field("G", "int32", "a Status: which queue holds the slot")
+    finish_reason = Field("G", "int32", "a FinishReason once FINISHED")
+    ignore_reason = Field("G", "int32", "an IgnoreReason: why an IGNORED group was ignored")
+    arrival_time = Field("G", "float32", "seconds, the FCFS priority")
+    request_index = Field("G", "int32", "caller's id for the request (e.g. its index in a trace)")
+    prompt_len = Field("G", "int32", "prompt tokens")
+    n = Field("G", "int32", "parallel samples requested")
+    max_tokens = Field("G", "int32", "output tokens after which a sequence is length-capped")
+    forked = Field("G", "bool", "the group has sampled its first tokens and holds n sequences")
+    prefill_done = Field("G", "int32", "prefill tokens computed so far (chunks add up here)")
+    prefill_total = Field("G", "int32", "prefill tokens to compute: the prompt, or after a "
+                          "recompute the prompt plus outputs (SPEC A5, B1)")
+    num_preemptions = Field("G", "int32", "times this group was preempted")
+    front_key = Field("", "int32", "next queue key for the front of a queue")
+    rng = Field("2", "uint32", "key for artificial preemption (SPEC A8)")
+    artificial_count = Field("", "int32", "forced failures left (SPEC A8)")
+    seq_alive = Field("GS", "bool", "sequence exists and is not finished")
+    seq_finish_reason = Field("GS", "int32", "a FinishReason per sequence")
+    num_tokens = Field("GS", "int32", "prompt + output tokens of each sequence")
+    num_blocks = Field("GS", "int32", "entries used in the block table (device or host)")
+    block_table = Field("GSM", "int32", "device block ids; unused entries hold the null block 0")
+    host_table = Field("GSM", "int32", "host block ids while SWAPPED, else 0")
+    device_ref = Field("D", "int32", "references to each device block from block tables")
+    host_ref = Field("H", "int32", "references to each host block from host tables")
+
     __slots__ = ("data", "dims")
 
     def __init__(self, data, dims: tuple):
@@ -272,7 +310,20 @@ class SchedulerState:
         return {n: self.get(n) for n in names} | {"limits": self.limits}
 
     def __repr__(self):
-        return f"SchedulerState(data={[x.shape for x in self.data]}, dims={self.dims})"
+        g, s, m, d, h = self.dims
+        head = f"SchedulerState(slots={g}, seqs_per_group={s}, blocks_per_seq={m}, " \
+               f"device_blocks={d - 1}, host_blocks={h - 1}"
+        try:
+            import numpy as np
+            status = np.asarray(self.status)
+            free = int((np.asarray(self.device_ref)[1:] == 0).sum())
+        except Exception:                 # abstract (inside jit) or batched: shapes only
+            return head + f", leaves={[x.shape for x in self.data]})"
+        if status.ndim != 1:
+            return head + f", leaves={[x.shape for x in self.data]})"
+        queues = ", ".join(f"{st.name.lower()}={int((status == st).sum())}" for st in Status
+                           if st != Status.EMPTY)
+        return head + f"; {queues}; device_ref>0: {d - 1 - free} blocks)"
 
     @property
     def num_live_seqs(self) -> jax.Array:
@@ -285,45 +336,68 @@ class SchedulerState:
         return jnp.where(self.forked, self.num_live_seqs, self.n)
 
 
-for _name in FIELD_NAMES:
-    if _name not in LIMIT_FIELDS:
-        setattr(SchedulerState, _name, property(lambda self, _n=_name: self.get(_n),
-                                                doc=f"The `{_name}` field (see the class doc)."))
+def _storage_order() -> tuple[Field, ...]:
+    own = [v for v in vars(SchedulerState).values() if isinstance(v, Field)]
+    at = [f.name for f in own].index("seq_alive")
+    limits = [Field("", _LIMIT_KINDS[n], "a per-run limit (see Limits)", n) for n in LIMIT_FIELDS]
+    return tuple(own[:at] + limits + own[at:])
 
 
-OUTPUT_FIELDS = ("scheduled", "num_scheduled_tokens", "is_prefill", "num_seqs", "preempted",
-                 "preempt_order", "swapped_in", "ignored", "blocks_to_swap_out", "num_swap_out",
-                 "blocks_to_swap_in", "num_swap_in", "blocks_to_copy", "num_copy",
-                 "num_free_device_blocks", "num_free_host_blocks")
-SLOT_OUTPUTS = OUTPUT_FIELDS[:8]
-PAIR_OUTPUTS = ("blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy")
-COUNT_OUTPUTS = ("num_swap_out", "num_swap_in", "num_copy", "num_free_device_blocks",
-                 "num_free_host_blocks")
-_BOOL_OUTPUTS = {"scheduled", "is_prefill", "swapped_in", "ignored"}
+FIELDS = _storage_order()
+FIELD_NAMES = tuple(f.name for f in FIELDS)
+_KIND = {f.name: f.kind for f in FIELDS}
+SchedulerState.__doc__ += "\n".join(
+    f"      {f.name}: {f.kind}[{', '.join(f.shape)}]  {f.doc}" for f in FIELDS
+    if f.name not in LIMIT_FIELDS) + "\n      limits: Limits\n"
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputField:
+    """One named field of SchedulerOutput: its region of the flat array and meaning."""
+    region: str               # "slots": [G] per slot; "pairs": [P, 2] block pairs; "counts": []
+    kind: str                 # "int32" or "bool"
+    doc: str
+    name: str = ""
+
+    def __set_name__(self, owner, name):
+        object.__setattr__(self, "name", name)
+
+    def __get__(self, out, owner=None) -> jax.Array:
+        if out is None:
+            return self               # type: ignore[return-value]
+        return out.get(self.name)
 
 
 @jax.tree_util.register_pytree_node_class
 class SchedulerOutput:
     """What one step decided, per slot, plus the block moves for the cache kernels.
 
-    One flat int32 array, like the state: `data` = [slots | pairs | counts] with
-      slots:  int32[8, G]     one row per field of SLOT_OUTPUTS
-      pairs:  int32[3, P, 2]  blocks_to_swap_out, blocks_to_swap_in, blocks_to_copy;
-                              P = placement.pair_rows(cap), the most pairs a step can make
-      counts: int32[5]        COUNT_OUTPUTS
-    and `dims` = (G, P) static. Named fields (properties; `_fields` and `_asdict()` as on a
-    NamedTuple): scheduled: bool[G]; num_scheduled_tokens: int32[G] prefill chunk, or 1 for
-    a decode; is_prefill: bool[G] the chunk is part of the prompt; num_seqs: int32[G]
-    sequences running in this step; preempted: int32[G] 0 no, 1 recompute, 2 swap;
-    preempt_order: int32[G] order of preemption within the step; swapped_in, ignored:
-    bool[G]; blocks_to_swap_out (device, host), blocks_to_swap_in (host, device),
-    blocks_to_copy (src, dst): int32[P, 2]; num_swap_out, num_swap_in, num_copy,
-    num_free_device_blocks, num_free_host_blocks: int32[]. Pair lists are padded with
-    out-of-range ids (the pool sizes), so the kernels can scatter with mode="drop";
-    `num_*` says how many pairs are real.
+    One flat int32 array, like the state: `data` = [slots | pairs | counts], with
+    slots int32[len(SLOT_OUTPUTS), G], pairs int32[len(PAIR_OUTPUTS), P, 2] (P =
+    placement.pair_rows(cap), the most pairs a step can make) and counts
+    int32[len(COUNT_OUTPUTS)]; `dims` = (G, P) static. `_fields` and `_asdict()` work as on
+    a NamedTuple. Pair lists are padded with out-of-range ids (the pool sizes), so the
+    kernels can scatter with mode="drop"; `num_*` says how many pairs are real.
+    Named fields (generated from the declarations below):
     """
+    scheduled = OutputField("slots", "bool", "the group runs this step")
+    num_scheduled_tokens = OutputField("slots", "int32", "prefill chunk, or 1 for a decode")
+    is_prefill = OutputField("slots", "bool", "the chunk is part of the prompt")
+    num_seqs = OutputField("slots", "int32", "sequences running in this step")
+    preempted = OutputField("slots", "int32", "a PreemptionMode: 0 no, RECOMPUTE or SWAP")
+    preempt_order = OutputField("slots", "int32", "order of preemption within the step")
+    swapped_in = OutputField("slots", "bool", "swapped in this step")
+    ignored = OutputField("slots", "bool", "ignored this step")
+    blocks_to_swap_out = OutputField("pairs", "int32", "(device, host) block pairs")
+    blocks_to_swap_in = OutputField("pairs", "int32", "(host, device) block pairs")
+    blocks_to_copy = OutputField("pairs", "int32", "(src, dst) device block pairs (copy-on-write)")
+    num_swap_out = OutputField("counts", "int32", "real pairs in blocks_to_swap_out")
+    num_swap_in = OutputField("counts", "int32", "real pairs in blocks_to_swap_in")
+    num_copy = OutputField("counts", "int32", "real pairs in blocks_to_copy")
+    num_free_device_blocks = OutputField("counts", "int32", "free device blocks after the step")
+    num_free_host_blocks = OutputField("counts", "int32", "free host blocks after the step")
+
     __slots__ = ("data", "dims")
-    _fields = OUTPUT_FIELDS
 
     def __init__(self, data, dims: tuple):
         self.data, self.dims = data, dims
@@ -337,7 +411,8 @@ class SchedulerOutput:
 
     @classmethod
     def pack(cls, slots: jax.Array, pairs: jax.Array, counts: jax.Array) -> SchedulerOutput:
-        """From slots int32[8, G], pairs int32[3, P, 2] and counts int32[5]."""
+        """From slots int32[len(SLOT_OUTPUTS), G], pairs int32[len(PAIR_OUTPUTS), P, 2] and
+        counts int32[len(COUNT_OUTPUTS)]."""
         g, p = slots.shape[-1], pairs.shape[-2]
         parts = [slots.astype(jnp.int32), pairs.astype(jnp.int32), counts.astype(jnp.int32)]
         return cls(jnp.concatenate([x.reshape(-1) for x in parts]), (g, p))
@@ -355,10 +430,11 @@ class SchedulerOutput:
             i = SLOT_OUTPUTS.index(name) * g
             row = self.data[..., i:i + g]
             return row != 0 if name in _BOOL_OUTPUTS else row
+        pairs_at = len(SLOT_OUTPUTS) * g
         if name in PAIR_OUTPUTS:
-            i = 8 * g + PAIR_OUTPUTS.index(name) * 2 * p
+            i = pairs_at + PAIR_OUTPUTS.index(name) * 2 * p
             return self.data[..., i:i + 2 * p].reshape(lead + (p, 2))
-        i = 8 * g + 6 * p + COUNT_OUTPUTS.index(name)
+        i = pairs_at + len(PAIR_OUTPUTS) * 2 * p + COUNT_OUTPUTS.index(name)
         return self.data[..., i]
 
     def _asdict(self) -> dict:
@@ -368,8 +444,16 @@ class SchedulerOutput:
         return f"SchedulerOutput(data={self.data.shape}, dims={self.dims})"
 
 
-for _name in OUTPUT_FIELDS:
-    setattr(SchedulerOutput, _name, property(lambda self, _n=_name: self.get(_n)))
+_OUTPUTS = [v for v in vars(SchedulerOutput).values() if isinstance(v, OutputField)]
+OUTPUT_FIELDS = tuple(f.name for f in _OUTPUTS)
+SLOT_OUTPUTS = tuple(f.name for f in _OUTPUTS if f.region == "slots")
+PAIR_OUTPUTS = tuple(f.name for f in _OUTPUTS if f.region == "pairs")
+COUNT_OUTPUTS = tuple(f.name for f in _OUTPUTS if f.region == "counts")
+_BOOL_OUTPUTS = {f.name for f in _OUTPUTS if f.kind == "bool"}
+SchedulerOutput._fields = OUTPUT_FIELDS
+SchedulerOutput.__doc__ += "\n".join(
+    f"      {f.name}: {f.kind}[{dict(slots='G', pairs='P, 2', counts='')[f.region]}]  {f.doc}"
+    for f in _OUTPUTS) + "\n"
 
 
 def make_limits(config: SchedulerConfig) -> Limits:

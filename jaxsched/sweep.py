@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxsched.config import SchedulerConfig
+from jaxsched.config import PREEMPT_RECOMPUTE, PREEMPT_SWAP, SchedulerConfig
 from jaxsched.cost_model import PreemptionCosts
 from jaxsched.requests import RequestBatch, add_requests, free_finished, update
 from jaxsched.scheduler import schedule_step
@@ -240,7 +240,7 @@ def _step(carry, x, cols, arrival_time, cap, width):
     per_request = per_request.at[1, at].set(state.finish_reason, mode="drop")
     count = lambda mask: mask.sum(dtype=jnp.int32)
     record = jnp.stack([
-        count(finished), count(out.preempted == 1), count(out.preempted == 2),
+        count(finished), count(out.preempted == PREEMPT_RECOMPUTE), count(out.preempted == PREEMPT_SWAP),
         out.num_swap_out, out.num_swap_in, count(out.swapped_in),
         out.num_free_device_blocks, out.num_free_host_blocks,
         jnp.where(out.is_prefill, out.num_scheduled_tokens, 0).sum(dtype=jnp.int32),

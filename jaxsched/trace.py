@@ -9,10 +9,14 @@ from pathlib import Path
 
 from jaxsched.config import SchedulerConfig
 
-CONFIG_KEYS = {"block_size", "num_device_blocks", "num_host_blocks", "max_num_seqs",
-               "max_num_batched_tokens", "max_model_len", "enable_chunked_prefill",
-               "preemption_mode", "preemption_costs", "delay_factor", "watermark", "step_time", "max_steps",
-               "artificial_preemption", "seed"}
+# The config keys a generated trace writes: the scheduler limits vLLM's own replay of a
+# trace reads too (the golden traces' format), with SchedulerConfig's defaults.
+TRACE_CONFIG_KEYS = ("block_size", "num_device_blocks", "num_host_blocks", "max_num_seqs",
+                     "max_num_batched_tokens", "max_model_len", "enable_chunked_prefill",
+                     "preemption_mode", "delay_factor", "watermark")
+# A trace's config: SchedulerConfig's fields, plus how the replay runs.
+REPLAY_KEYS = ("step_time", "max_steps")
+CONFIG_KEYS = {f.name for f in dataclasses.fields(SchedulerConfig)} | set(REPLAY_KEYS)
 REQUEST_KEYS = {"id", "arrival_step", "prompt_len", "max_tokens", "n"}
 REQUEST_DEFAULTS = {"arrival_step": 0, "n": 1}
 # Bounds that keep a replay's arrays to a size this machine can hold: a trace past them is
@@ -20,7 +24,9 @@ REQUEST_DEFAULTS = {"arrival_step": 0, "n": 1}
 INT_LIMITS = {"arrival_step": 10**7, "prompt_len": 2**20, "max_tokens": 2**20, "n": 256}
 CONFIG_INT_LIMITS = {"block_size": 4096, "num_device_blocks": 2**20, "num_host_blocks": 2**20,
                      "max_num_seqs": 2**16, "max_num_batched_tokens": 2**24, "max_model_len": 2**20,
-                     "artificial_preemption_count": 10**7, "seed": 2**31 - 1}
+                     "artificial_preemption_count": 10**7, "seed": 2**31 - 1, "num_slots": 2**16,
+                     "max_seqs_per_group": 256, "max_blocks_per_seq": 2**16,
+                     "num_device_blocks_capacity": 2**20, "num_host_blocks_capacity": 2**20}
 MAX_STEPS_LIMIT = 10**8
 
 

@@ -22,13 +22,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from jaxsched.config import SchedulerConfig
-from jaxsched.trace import parse_trace
+from jaxsched.trace import TRACE_CONFIG_KEYS, parse_trace
 
 ARRIVALS = ("poisson", "bursty")
-# The replay keys of a trace config, with SchedulerConfig's defaults.
-_CONFIG_KEYS = ("block_size", "num_device_blocks", "num_host_blocks", "max_num_seqs",
-                "max_num_batched_tokens", "max_model_len", "enable_chunked_prefill",
-                "preemption_mode", "delay_factor", "watermark")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +106,7 @@ def generate_trace(num_requests: int, rate: float, *, arrival: str = "poisson",
         raise ValueError(f"generate_trace: max_n must be >= 2 when n_share > 0, got {max_n}")
     prompt, output = _as_dist(prompt, "prompt"), _as_dist(output, "output")
     defaults = SchedulerConfig()
-    cfg = {k: getattr(defaults, k) for k in _CONFIG_KEYS} | {"step_time": 1.0, "max_steps": 100_000}
+    cfg = {k: getattr(defaults, k) for k in TRACE_CONFIG_KEYS} | {"step_time": 1.0, "max_steps": 100_000}
     cfg.update(config or {})
     max_len = int(cfg["max_model_len"])
     if max_len < 2:

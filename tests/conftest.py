@@ -14,6 +14,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+from jaxsched.state import Status  # noqa: E402
+
 jax.config.update("jax_cpu_enable_async_dispatch", False)
 
 from jaxsched import (SchedulerConfig, add_requests, check_invariants, free_finished,  # noqa: E402
@@ -73,7 +75,7 @@ def drive(config: SchedulerConfig, requests: list[dict], *, step_time: float = 1
         if check:
             check_invariants(state, config)
         status = np.asarray(state.status)
-        for slot in np.nonzero(status == 4)[0]:
+        for slot in np.nonzero(status == Status.FINISHED)[0]:
             done[int(state.request_index[slot])] = int(state.finish_reason[slot])
         steps.append(jax.device_get(out._asdict()))
         state, _ = free_finished(state)

@@ -86,8 +86,8 @@ def test_config__auto_mode_and_costs_are_limits():
     assert [float(x) for x in lim.costs] == list(PreemptionCosts(**MIXED).coefficients)
     assert [float(x) for x in init_state(SchedulerConfig()).limits.costs] == \
         list(np.float32(DEFAULT_COSTS.coefficients))
-    with pytest.raises(ValueError, match="SchedulerConfig.preemption_mode: must be None, 'recompute', "
-                                         "'swap' or 'auto', got 'lru'"):
+    with pytest.raises(ValueError, match="SchedulerConfig.preemption_mode: must be None or 'default', "
+                                         "'recompute', 'swap' or 'auto', got 'lru'"):
         SchedulerConfig(preemption_mode="lru")
 
 
