@@ -1,4 +1,6 @@
-"""The reference scheduler replays every golden trace exactly as vLLM 0.5.3 decided it."""
+"""The reference scheduler replays every golden trace as vLLM 0.5.3 decided it (up to the
+host blocks vLLM leaks, SPEC B2: see goldens.assert_matches_vllm), and serves the workloads
+where vLLM fails to the end."""
 
 import collections
 import math
