@@ -31,17 +31,27 @@ NUM_ROWS = 11
 CHUNK_STEPS = 64
 
 
-def sim_step(state, batch: RequestBatch, now, cap: Capacity, check: bool = False):
-    """add_requests + schedule + update + free_finished, with a packed record of the step.
+def replay_step(state, batch: RequestBatch, now, cap: Capacity, record, check: bool = False):
+    """The one model-free replay step, shared by `simulate` and `sweep`.
 
-    With `check`, the invariants are evaluated after `schedule` and after `update`.
+    add_requests, schedule, update (one token per running sequence, never EOS), then
+    `record(state, out, slots)` reads what the caller keeps of the step while finished groups
+    are still in their slots, and free_finished empties them. With `check`, the invariants
+    are evaluated after `schedule` and after `update`. Returns (state, record, flags).
     """
-    state, _ = add_requests(state, batch)
+    state, slots = add_requests(state, batch)
     state, out = schedule_step(state, now, cap=cap)
     flags = invariant_violations(state, out) if check else jnp.zeros((len(CHECKS),), bool)
     state, _, _ = update(state, out.scheduled, out.num_scheduled_tokens, out.is_prefill)
     if check:
         flags = flags | invariant_violations(state)
+    kept = record(state, out, slots)
+    state, _ = free_finished(state)
+    return state, kept, flags
+
+
+def _slot_record(state, out, slots):
+    """simulate's record of a step: int32[NUM_ROWS, G] per slot, and the free block counts."""
     finished = state.status == FINISHED
     outputs = jnp.max(jnp.where(jnp.arange(state.num_tokens.shape[1]) < state.n[:, None],
                                 state.num_tokens - state.prompt_len[:, None], 0), axis=1)
@@ -49,8 +59,12 @@ def sim_step(state, batch: RequestBatch, now, cap: Capacity, check: bool = False
             out.swapped_in, finished, state.finish_reason, outputs, state.num_preemptions,
             state.ignore_reason, out.preempt_order]
     record = jnp.stack([r.astype(jnp.int32) for r in rows])
-    free = jnp.stack([out.num_free_device_blocks, out.num_free_host_blocks])
-    state, _ = free_finished(state)
+    return record, jnp.stack([out.num_free_device_blocks, out.num_free_host_blocks])
+
+
+def sim_step(state, batch: RequestBatch, now, cap: Capacity, check: bool = False):
+    """`replay_step` with simulate's per-slot record: (state, (record, free, flags))."""
+    state, (record, free), flags = replay_step(state, batch, now, cap, _slot_record, check)
     return state, (record, free, flags)
 
 

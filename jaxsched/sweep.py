@@ -45,12 +45,10 @@ from jax import lax
 
 from jaxsched.config import PREEMPT_RECOMPUTE, PREEMPT_SWAP, SchedulerConfig
 from jaxsched.cost_model import PreemptionCosts
-from jaxsched.requests import RequestBatch, add_requests, free_finished, update
-from jaxsched.scheduler import schedule_step
+from jaxsched.requests import RequestBatch
+from jaxsched.simulate import CHUNK_STEPS, replay_step
 from jaxsched.state import FINISHED, IGNORED, init_state, set_limits
 from jaxsched.trace import Trace, TraceError, parse_trace
-
-CHUNK_STEPS = 64
 # "auto" is the cost-based mode (the trace config's preemption_costs, else the default
 # costs); vLLM's default (None: recompute one sequence, swap more) is "default" or "none".
 MODES = {"auto": "auto", "default": None, "none": None, "recompute": "recompute", "swap": "swap"}
@@ -225,19 +223,10 @@ def _batch_at(cols: jax.Array, arrival_time: jax.Array, t: jax.Array, width: int
                         max_tokens=take(4), arrival_time=jnp.where(valid, arrival_time[safe], 0.0))
 
 
-def _step(carry, x, cols, arrival_time, cap, width):
-    """One replay step of one run (simulate's sim_step) and its int32[NUM_COLS] record."""
-    state, per_request = carry                # per_request: int32[2, N] finish step, reason
-    t, now = x
-    batch = _batch_at(cols, arrival_time, t, width)
-    state, slots = add_requests(state, batch)
-    overflow = (batch.valid & (slots >= state.status.shape[-1])).any()
-    state, out = schedule_step(state, now, cap=cap)
-    state, _, _ = update(state, out.scheduled, out.num_scheduled_tokens, out.is_prefill)
+def _run_record(state, out, overflow):
+    """A sweep run's record of a step, int32[NUM_COLS] (counts only: rows need no slots),
+    and what `_step` stamps per request for the groups that finished."""
     finished = state.status == FINISHED
-    at = jnp.where(finished, state.request_index, cols.shape[1])
-    per_request = per_request.at[0, at].set(t, mode="drop")
-    per_request = per_request.at[1, at].set(state.finish_reason, mode="drop")
     count = lambda mask: mask.sum(dtype=jnp.int32)
     record = jnp.stack([
         count(finished), count(out.preempted == PREEMPT_RECOMPUTE), count(out.preempted == PREEMPT_SWAP),
@@ -245,8 +234,21 @@ def _step(carry, x, cols, arrival_time, cap, width):
         out.num_free_device_blocks, out.num_free_host_blocks,
         jnp.where(out.is_prefill, out.num_scheduled_tokens, 0).sum(dtype=jnp.int32),
         jnp.where(out.scheduled & ~out.is_prefill, out.num_seqs, 0).sum(dtype=jnp.int32),
-        overflow]).astype(jnp.int32)
-    state, _ = free_finished(state)
+        overflow.any()]).astype(jnp.int32)
+    return record, finished, state.request_index, state.finish_reason
+
+
+def _step(carry, x, cols, arrival_time, cap, width):
+    """One replay step of one run (simulate's `replay_step`) and its int32[NUM_COLS] record."""
+    state, per_request = carry                # per_request: int32[2, N] finish step, reason
+    t, now = x
+    batch = _batch_at(cols, arrival_time, t, width)
+    # A request that found no free slot (slot index out of range) voids the run: more slots.
+    record_of = lambda st, out, slots: _run_record(st, out, batch.valid & (slots >= st.status.shape[-1]))
+    state, (record, finished, index, reason), _ = replay_step(state, batch, now, cap, record_of)
+    at = jnp.where(finished, index, cols.shape[1])
+    per_request = per_request.at[0, at].set(t, mode="drop")
+    per_request = per_request.at[1, at].set(reason, mode="drop")
     return (state, per_request), record
 
 
