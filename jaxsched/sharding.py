@@ -14,6 +14,8 @@ and the cache; XLA's SPMD partitioner inserts the collectives (we build none):
                                                             likewise); replicated when V does
                                                             not divide (no padding: logits keep V)
     norms, o/down biases                  P()               replicated
+    decoder layers' parameters            the same, after a leading None: they are stacked on a
+                                          layer axis ([L, in, out] ...), which is never split
     KV pools [blocks, L, block_size, H_kv, D]  P(None, None, None, "model", None)  by kv head
 
 so each device holds H/model query heads and the H_kv/model kv heads they read, and attention
@@ -46,7 +48,8 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxsched import kv_cache as kc
-from models.llama import LlamaConfig, LlamaForCausalLM, check_hf_tensors, paged_forward, paged_forward_new_kv
+from models.llama import (LlamaConfig, LlamaForCausalLM, check_hf_tensors, paged_forward, paged_forward_new_kv,
+                          stack_hf_tensors)
 
 AXES = ("data", "model")
 _COLUMN = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}  # output features split
@@ -100,7 +103,14 @@ def vocab_is_sharded(config: LlamaConfig, model: int) -> bool:
 
 
 def param_spec(names: tuple, config: LlamaConfig, model: int) -> P:
-    """PartitionSpec of the parameter at NNX path `names`, e.g. ("model", "layers", 0, ...)."""
+    """PartitionSpec of the parameter at NNX path `names`, e.g. ("model", "layers", "mlp", ...)."""
+    if tuple(names[:2]) == ("model", "layers"):
+        # Stacked decoder layers: each layer's slice is split as an unstacked one would be.
+        return P(None, *_unstacked_spec(names, config, model))
+    return _unstacked_spec(names, config, model)
+
+
+def _unstacked_spec(names: tuple, config: LlamaConfig, model: int) -> P:
     module, leaf = names[-2], names[-1]
     vocab = "model" if vocab_is_sharded(config, model) else None
     if module in _COLUMN:
@@ -209,8 +219,9 @@ def place_hf_tensors(model_abstract_or_config, tensors: dict[str, np.ndarray], m
 
     `model_abstract_or_config`: a LlamaConfig, or a model (e.g. `nnx.eval_shape(...)`) whose
     `nnx.graphdef` the caller merges these params into. Every array is built with
-    `jax.make_array_from_callback`: the callback slices the host array (transposed as a view
-    for kernels) and casts only that slice, so no device ever holds more than its shard.
+    `jax.make_array_from_callback`: the callback slices the host arrays (transposed as views
+    for kernels), stacks the layers' slices and casts only them, so no device ever holds more
+    than its shard.
     Raises ValueError naming missing, unexpected and mis-shaped tensors.
     """
     model = model_abstract_or_config
@@ -220,15 +231,11 @@ def place_hf_tensors(model_abstract_or_config, tensors: dict[str, np.ndarray], m
     check_tensor_parallel(config, size)
     expected = check_hf_tensors(model, tensors)
     dtype = jnp.dtype(config.dtype)
-    state = nnx.state(model, nnx.Param)
-    flat = nnx.to_flat_state(state)
+    flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
     by_path = dict(flat)
-    for name, (path, hf_shape, transposed) in expected.items():
-        host = np.asarray(tensors[name])
-        host = host.T if transposed else host  # a view: nothing copied yet
+    for path, (shape, fill) in stack_hf_tensors(expected, tensors, dtype).items():
         sharding = NamedSharding(mesh, param_spec(path, config, size))
-        by_path[path].set_value(jax.make_array_from_callback(
-            host.shape, sharding, lambda index, host=host: np.asarray(host[index], dtype=dtype)))
+        by_path[path].set_value(jax.make_array_from_callback(shape, sharding, fill))
     return nnx.from_flat_state(flat)
 
 

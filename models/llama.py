@@ -1,8 +1,11 @@
 """Llama-family decoder (Llama 2/3, TinyLlama, SmolLM2) in Flax NNX on jaxsched's paged KV cache.
 
-Module and parameter names follow Hugging Face's, so `model.layers.3.self_attn.q_proj.weight`
-is `model.model.layers[3].self_attn.q_proj.kernel` (transposed: HF Linear weights are
-[out, in], NNX kernels [in, out]). Two entry points:
+Module and parameter names follow Hugging Face's, with the decoder layers stacked: one
+`LlamaDecoderLayer` whose parameters carry a leading layer axis, run by `lax.scan`, so the
+compiled program holds one layer, not num_hidden_layers copies (compile time no longer grows
+with depth). `model.layers.3.self_attn.q_proj.weight` is
+`model.model.layers.self_attn.q_proj.kernel[3]` (transposed: HF Linear weights are [out, in],
+NNX kernels [in, out]); `hf_param_names` maps every HF name to its place. Two entry points:
 
   forward(graphdef, params, tokens, positions, metadata, kv_cache) -> (logits, kv_cache)
       the serving step: a flat ragged batch through the paged cache, jitted, cache donated
@@ -16,7 +19,7 @@ is `model.model.layers[3].self_attn.q_proj.kernel` (transposed: HF Linear weight
 import dataclasses
 import functools
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -218,10 +221,35 @@ class LlamaDecoderLayer(nnx.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+def _stacked_layers(cfg: LlamaConfig, rngs: nnx.Rngs) -> LlamaDecoderLayer:
+    """One decoder layer whose every parameter has a leading [num_hidden_layers] axis."""
+    @nnx.split_rngs(splits=cfg.num_hidden_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+        return LlamaDecoderLayer(cfg, rngs)
+    return make(rngs)
+
+
+def scan_layers(layers: LlamaDecoderLayer, body, carry):
+    """`lax.scan` of body(carry, layer, index) -> (carry, y) over stacked `layers`.
+
+    Layers must run in order (each reads the previous one's output), hence a scan rather
+    than a vmap; the layer index lets the body address its layer of the KV pools.
+    """
+    graphdef, state = nnx.split(layers)
+    num_layers = jax.tree.leaves(state)[0].shape[0]
+
+    def step(carry, inputs):
+        layer_state, index = inputs
+        return body(carry, nnx.merge(graphdef, layer_state), index)
+
+    return jax.lax.scan(step, carry, (state, jnp.arange(num_layers)))
+
+
 class LlamaModel(nnx.Module):
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
         self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype, param_dtype=cfg.dtype, rngs=rngs)
-        self.layers = nnx.List([LlamaDecoderLayer(cfg, rngs) for _ in range(cfg.num_hidden_layers)])
+        self.layers = _stacked_layers(cfg, rngs)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
 
 
@@ -249,21 +277,35 @@ class LlamaForCausalLM(nnx.Module):
         cos, sin = rope_cos_sin(self.config, positions)
         visible = None if write else step_visibility(metadata, cache.block_size, cache.num_device_blocks)
         h = self.model.embed_tokens(tokens)
-        ks, vs = [], []
-        for i, layer in enumerate(self.model.layers):
+
+        def body(carry, layer, i):
+            h, cache = carry
             attn, k, v, cache = layer.self_attn.paged(layer.input_layernorm(h), cos, sin, i, metadata, cache, impl,
                                                       visible)
-            h = layer.mlp_block(h + attn)
-            ks.append(k)
-            vs.append(v)
-        return h, jnp.stack(ks), jnp.stack(vs), cache
+            return (layer.mlp_block(h + attn), cache), (k, v)
+
+        if write:
+            # The cache rides in the carry: each layer's scatter updates the donated pools in place.
+            (h, cache), (ks, vs) = scan_layers(self.model.layers, body, (h, cache))
+            return h, ks, vs, cache
+
+        def read_only(h, layer, i):
+            # The pools enter the loop as constants: shared, never threaded through the carry.
+            (h, _), kv = body((h, cache), layer, i)
+            return h, kv
+
+        h, (ks, vs) = scan_layers(self.model.layers, read_only, h)
+        return h, ks, vs, cache
 
     def dense(self, tokens: jax.Array) -> jax.Array:
         """tokens: [B, T] -> logits [B, T, V], positions 0..T-1, causal, no cache."""
         cos, sin = rope_cos_sin(self.config, jnp.arange(tokens.shape[1]))
         h = self.model.embed_tokens(tokens)
-        for layer in self.model.layers:
-            h = layer.mlp_block(h + layer.self_attn.dense(layer.input_layernorm(h), cos, sin))
+
+        def body(h, layer, i):
+            return layer.mlp_block(h + layer.self_attn.dense(layer.input_layernorm(h), cos, sin)), None
+
+        h, _ = scan_layers(self.model.layers, body, h)
         return self.logits(h)
 
 
@@ -311,15 +353,80 @@ def dense_forward(model: LlamaForCausalLM, tokens: jax.Array) -> jax.Array:
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints carry
 
 
-def hf_param_names(model: LlamaForCausalLM) -> dict[str, tuple[tuple, tuple[int, ...], bool]]:
-    """HF name -> (NNX path, HF shape, transposed?) for every parameter of `model`."""
+class HFParam(NamedTuple):
+    """Where one HF tensor lives in the model: the NNX parameter at `path`, transposed or not,
+    and for a decoder layer's tensor its `layer` (index into the stacked parameter's axis 0)."""
+    path: tuple
+    shape: tuple[int, ...]       # the HF tensor's shape
+    transposed: bool
+    layer: int | None
+
+
+def _is_stacked(path: tuple) -> bool:
+    return path[:2] == ("model", "layers")
+
+
+def hf_param_names(model: LlamaForCausalLM) -> dict[str, HFParam]:
+    """HF name -> HFParam for every parameter of `model` (num_hidden_layers names per stacked one)."""
     names = {}
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        leaf, shape = path[-1], var.get_value().shape
+        leaf, shape = path[-1], tuple(var.get_value().shape)
         transposed = leaf == "kernel"
         hf_leaf = "bias" if leaf == "bias" else "weight"
-        names[".".join(map(str, path[:-1] + (hf_leaf,)))] = (path, shape[::-1] if transposed else shape, transposed)
+        if _is_stacked(path):
+            per_layer = shape[1:][::-1] if transposed else shape[1:]
+            for i in range(shape[0]):
+                name = ".".join(map(str, ("model", "layers", i) + path[2:-1] + (hf_leaf,)))
+                names[name] = HFParam(path, per_layer, transposed, i)
+        else:
+            names[".".join(map(str, path[:-1] + (hf_leaf,)))] = HFParam(
+                path, shape[::-1] if transposed else shape, transposed, None)
     return names
+
+
+def to_hf_state_dict(model: LlamaForCausalLM) -> dict[str, np.ndarray]:
+    """The model's parameters as HF-named host arrays (layers unstacked, kernels transposed)."""
+    values = {path: np.asarray(var.get_value()) for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    out = {}
+    for name, p in hf_param_names(model).items():
+        value = values[p.path] if p.layer is None else values[p.path][p.layer]
+        out[name] = value.T if p.transposed else value
+    return out
+
+
+def stack_hf_tensors(expected: dict[str, HFParam], state: dict, dtype) -> dict[tuple, tuple[Any, Any]]:
+    """NNX path -> (full shape, fill(index) -> np.ndarray of that index of the parameter).
+
+    `fill` builds any slice (a device's shard, or everything) straight from the HF tensors,
+    stacking layers as it goes and casting only what it returns: no whole stacked copy of
+    the weights is made on the host before they are placed.
+    """
+    by_path: dict[tuple, list] = {}
+    for name, p in expected.items():
+        by_path.setdefault(p.path, []).append((p, name))
+    out = {}
+    for path, entries in by_path.items():
+        entries.sort(key=lambda e: -1 if e[0].layer is None else e[0].layer)
+        hosts = []
+        for p, name in entries:
+            host = np.asarray(state[name])
+            hosts.append(host.T if p.transposed else host)  # a view: nothing copied yet
+        if entries[0][0].layer is None:
+            host = hosts[0]
+            out[path] = (host.shape, lambda index, host=host: np.asarray(host[index], dtype=dtype))
+        else:
+            shape = (len(hosts),) + hosts[0].shape
+
+            def fill(index, hosts=hosts, shape=shape):
+                index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+                layers = range(shape[0])[index[0]]
+                part = np.empty((len(layers),) + tuple(len(range(*s.indices(n))) for s, n in
+                                                       zip(index[1:], shape[1:])), dtype)
+                for j, i in enumerate(layers):
+                    part[j] = hosts[i][index[1:]]
+                return part
+            out[path] = (shape, fill)
+    return out
 
 
 def check_hf_tensors(model: LlamaForCausalLM, state: dict[str, np.ndarray]) -> dict:
@@ -343,15 +450,15 @@ def check_hf_tensors(model: LlamaForCausalLM, state: dict[str, np.ndarray]) -> d
 
 
 def load_hf_state_dict(model: LlamaForCausalLM, state: dict[str, np.ndarray]) -> None:
-    """Assign HF-named tensors to `model` in place (cast to the config dtype).
+    """Assign HF-named tensors to `model` in place (cast to the config dtype, layers stacked).
 
     Raises ValueError naming every missing, unexpected and mis-shaped tensor. Ignored: rotary
     inv_freq buffers, and `lm_head.weight` when the embeddings are tied.
     """
     expected = check_hf_tensors(model, state)
+    dtype = jnp.dtype(model.config.dtype)
     flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
     by_path = {path: var for path, var in flat}
-    for name, (path, _, transposed) in expected.items():
-        array = np.asarray(state[name])
-        by_path[path].set_value(jnp.asarray(array.T if transposed else array, dtype=model.config.dtype))
+    for path, (shape, fill) in stack_hf_tensors(expected, state, dtype).items():
+        by_path[path].set_value(jnp.asarray(fill((slice(None),) * len(shape))))
     nnx.update(model, nnx.from_flat_state(flat))

@@ -42,7 +42,7 @@ def main():
             engine = llm._replicas[0] if llm._replicas else llm
             run["kv_spec"] = str(engine.state.kv.k.sharding.spec) if hasattr(engine.state.kv.k.sharding, "spec") else None
             run["kv_shard_shapes"] = sorted({tuple(s.data.shape) for s in engine.state.kv.k.addressable_shards})
-            q = engine.params["model"]["layers"][0]["self_attn"]["q_proj"]["kernel"]
+            q = engine.params["model"]["layers"]["self_attn"]["q_proj"]["kernel"]
             q = q.get_value() if hasattr(q, "get_value") else q.value
             run["q_shard_shapes"] = sorted({tuple(s.data.shape) for s in q.addressable_shards})
             run["replica_devices"] = [sorted({s.device.id for s in r.state.kv.k.addressable_shards})

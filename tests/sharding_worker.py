@@ -132,7 +132,7 @@ def tensor_parallel(name: str, mesh, seed: int, fresh_cache: bool = False) -> di
     runner.tables.pop("warm")  # its blocks stay allocated; harmless
     runner.logits.clear(), runner.tokens.clear(), runner.num_computed.clear()
     scenario(runner, seed)
-    layer = params["model"]["layers"][0]
+    layer = params["model"]["layers"]  # stacked: [L, ...] per parameter
     params_desc = {"q_proj": layer["self_attn"]["q_proj"]["kernel"], "k_proj": layer["self_attn"]["k_proj"]["kernel"],
                    "o_proj": layer["self_attn"]["o_proj"]["kernel"], "up_proj": layer["mlp"]["up_proj"]["kernel"],
                    "down_proj": layer["mlp"]["down_proj"]["kernel"], "norm": params["model"]["norm"]["weight"],
@@ -147,8 +147,7 @@ def hf_loading(name: str, mesh) -> dict:
     """place_hf_tensors from HF-layout numpy tensors vs shard_params of the same model."""
     config = CONFIGS[name]
     model = llama.LlamaForCausalLM(config, nnx.Rngs(0))
-    values = {path: np.asarray(var.get_value()) for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))}
-    tensors = {n: values[p].T if t else values[p] for n, (p, _, t) in llama.hf_param_names(model).items()}
+    tensors = llama.to_hf_state_dict(model)
     abstract = nnx.eval_shape(lambda: llama.LlamaForCausalLM(config, nnx.Rngs(0)))
     placed = sh.place_hf_tensors(abstract, tensors, mesh)
     want = sh.shard_params(nnx.state(model, nnx.Param), config, mesh)

@@ -228,11 +228,7 @@ def test_config__presets_are_hashable_with_derived_head_dim():
     assert llama.LlamaConfig.from_hf(hf).head_dim == 4
 
 
-def to_hf_state_dict(model) -> dict[str, np.ndarray]:
-    state = nnx.to_flat_state(nnx.state(model, nnx.Param))
-    values = {path: np.asarray(var.get_value()) for path, var in state}
-    return {name: values[path].T if transposed else values[path]
-            for name, (path, _, transposed) in llama.hf_param_names(model).items()}
+to_hf_state_dict = llama.to_hf_state_dict
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -257,3 +253,33 @@ def test_load_hf_state_dict__names_missing_extra_and_misshaped_tensors():
         llama.load_hf_state_dict(model, state)
     for name in ("model.norm.weight", "model.layers.0.mlp.gate_proj.weight", "model.layers.9.mlp.up_proj.weight"):
         assert name in str(err.value)
+
+
+def unrolled_dense_logits(model, tokens: list[int]) -> np.ndarray:
+    """The model as it ran before its layers were scanned: a Python loop, one layer at a time
+    (each a slice of the stacked parameters)."""
+    graphdef, state = nnx.split(model.model.layers)
+    cos, sin = llama.rope_cos_sin(model.config, jnp.arange(len(tokens)))
+    h = model.model.embed_tokens(jnp.asarray([tokens], jnp.int32))
+    for i in range(model.config.num_hidden_layers):
+        layer = nnx.merge(graphdef, jax.tree.map(lambda x: x[i], state))
+        h = layer.mlp_block(h + layer.self_attn.dense(layer.input_layernorm(h), cos, sin))
+    return np.asarray(model.logits(h)[0])
+
+
+def test_scan__stacked_layers_match_a_loop_over_them_dense_and_paged(model):
+    tokens = make_tokens(11, 17)
+    want = unrolled_dense_logits(model, tokens)
+    np.testing.assert_allclose(dense_logits(model, tokens), want, atol=ATOL)
+    paged = PagedRunner(model).step({"a": tokens})["a"]
+    np.testing.assert_allclose(paged, want[-1], atol=ATOL)
+    assert paged.argmax() == want[-1].argmax()
+
+
+def test_scan__parameters_are_stacked_on_a_leading_layer_axis(model):
+    cfg = model.config
+    q = model.model.layers.self_attn.q_proj.kernel[...]
+    assert q.shape == (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim)
+    names = llama.hf_param_names(model)
+    assert names["model.layers.1.self_attn.q_proj.weight"].layer == 1
+    assert names["model.layers.1.self_attn.q_proj.weight"].shape == q.shape[1:][::-1]

@@ -61,7 +61,8 @@ def test_sharded_forward__tensor_parallel_matches_one_device_across_swaps(report
 def test_shard_params__megatron_layout_with_one_shard_per_device(report, case):
     model, params = report[case]["model"], report[case]["params"]
     devices = list(range(model))
-    for name, axis in [("q_proj", 1), ("k_proj", 1), ("up_proj", 1), ("o_proj", 0), ("down_proj", 0), ("norm", None)]:
+    # Layer kernels are stacked [L, in, out]: column-parallel splits axis 2, row-parallel axis 1.
+    for name, axis in [("q_proj", 2), ("k_proj", 2), ("up_proj", 2), ("o_proj", 1), ("down_proj", 1), ("norm", None)]:
         assert_split(params[name], axis, model, devices)
     assert_split(params["embedding"], 0 if report[case]["vocab_size"] % model == 0 else None, model, devices)
 
@@ -88,7 +89,7 @@ def test_data_parallel__two_tensor_parallel_replicas_on_disjoint_devices_match_o
 @pytest.mark.parametrize("case, model, vocab_axis", [("hf_tp4_gqa", 4, 0), ("hf_tp8_mha_tied", 8, None)])
 def test_place_hf_tensors__builds_each_shard_on_its_device(report, case, model, vocab_axis):
     got = report[case]
-    assert got["all_equal_with_same_sharding"] and got["from_config_equal"] and got["num_params"] >= 20
+    assert got["all_equal_with_same_sharding"] and got["from_config_equal"] and got["num_params"] >= 11
     assert_split(got["embedding"], vocab_axis, model, list(range(model)))
 
 
@@ -125,11 +126,11 @@ def test_check_tensor_parallel__names_each_count_and_the_sizes_that_work(caplog)
 
 
 @pytest.mark.parametrize("names, spec", [
-    (("model", "layers", 0, "self_attn", "q_proj", "kernel"), (None, "model")),
-    (("model", "layers", 0, "self_attn", "q_proj", "bias"), ("model",)),
-    (("model", "layers", 0, "mlp", "down_proj", "kernel"), ("model", None)),
-    (("model", "layers", 0, "mlp", "down_proj", "bias"), ()),
-    (("model", "layers", 0, "post_attention_layernorm", "weight"), ()),
+    (("model", "layers", "self_attn", "q_proj", "kernel"), (None, None, "model")),   # [L, in, out]
+    (("model", "layers", "self_attn", "q_proj", "bias"), (None, "model")),
+    (("model", "layers", "mlp", "down_proj", "kernel"), (None, "model", None)),
+    (("model", "layers", "mlp", "down_proj", "bias"), (None,)),
+    (("model", "layers", "post_attention_layernorm", "weight"), (None,)),
     (("model", "embed_tokens", "embedding"), ("model", None)),
     (("lm_head", "kernel"), (None, "model")),
 ])
@@ -203,8 +204,8 @@ def test_llm__cache_and_weights_really_are_sharded(llm_report):
     assert runs["tp2-recompute"]["kv_shard_shapes"] == [[15, 2, 4, 2, 8]]      # kv heads 4 / 2
     assert runs["dp2_tp4-swap"]["kv_shard_shapes"] == [[15, 2, 4, 1, 8]]      # each replica TP 4
     assert "model" in runs["dp2_tp4-swap"]["kv_spec"]
-    assert runs["tp2-recompute"]["q_shard_shapes"] == [[64, 32]]               # q_proj column-parallel
-    assert runs["dp2_tp4-swap"]["q_shard_shapes"] == [[64, 16]]
+    assert runs["tp2-recompute"]["q_shard_shapes"] == [[2, 64, 32]]            # q_proj column-parallel,
+    assert runs["dp2_tp4-swap"]["q_shard_shapes"] == [[2, 64, 16]]             # layers stacked whole
     devices = runs["dp2_tp4-swap"]["replica_devices"]
     assert devices == [[0, 1, 2, 3], [4, 5, 6, 7]]                            # disjoint replicas
 
