@@ -5,13 +5,20 @@
 
 The engine state (scheduler state, KV cache, token buffers, per-request sampling arrays)
 is one pytree; the KV cache is donated. The model enters as a static graphdef plus params,
-and the model call is a `lax.switch` over token-count buckets, so a step compiles each
-bucket once and runs only the smallest one that holds its tokens, with no host sync.
+and runs on the smallest of a few token-count buckets that holds the step's tokens. Two ways
+to drive it, with the same results:
+
+* `step`: one jitted program; the model call is a `lax.switch` over every bucket, so the
+  first step compiles them all, and no step ever waits on the host.
+* `LazyStep`: the step as three jitted parts (`plan_impl`, `model_impl` per bucket,
+  `finish_impl`) with the token count read on the host between the first two, so a bucket
+  compiles when a step first needs it: the first request waits for one bucket, not all.
+  (`LLM` uses it on one device; `LLM.warm_up` compiles every bucket ahead of serving.)
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
+import time
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -178,7 +185,34 @@ def _admit(state: EngineState, new: NewRequests) -> EngineState:
     return state.replace(sched=sched, token_ids=token_ids, sampling=rows)
 
 
-def _run_model(spec: EngineSpec, params, kv, fb, sample_rows_index, block_tables, context_lens):
+@struct.dataclass
+class StepPlan:
+    """What `plan_impl` decided, for the model and `finish_impl`: the scheduler's state and
+    output, the flat batch, and which sequence each sampled row is (rows: num_sample_rows)."""
+    sched: SchedulerState
+    out: Any
+    fb: Any
+    row_g: jax.Array
+    row_s: jax.Array
+    gs: jax.Array
+    live_row: jax.Array
+    logits_index: jax.Array
+    block_tables: jax.Array
+    context_lens: jax.Array
+
+
+def _bucket_forward(spec: EngineSpec, params, kv, plan: StepPlan, size: int):
+    """The model on the first `size` tokens of the flat batch; the cache is only read.
+    Returns (logits, (k, v)), this step's K/V [L, size, H_kv, D]."""
+    fb = plan.fb
+    meta = AttentionMetadata(slot_mapping=fb.slot_mapping[:size], positions=fb.positions[:size],
+                             seq_ids=fb.seq_rows[:size], block_tables=plan.block_tables,
+                             context_lens=plan.context_lens, logits_indices=plan.logits_index,
+                             num_valid=fb.num_valid)
+    return spec.forward(spec.graphdef, params, fb.tokens[:size], fb.positions[:size], meta, kv, spec.attention_impl)
+
+
+def _run_model(spec: EngineSpec, params, kv, plan: StepPlan):
     """The model on the smallest token bucket that holds this step's tokens; writes its K/V.
 
     Inside the switch the cache is only read (a pool written in a branch is copied whole into
@@ -189,20 +223,22 @@ def _run_model(spec: EngineSpec, params, kv, fb, sample_rows_index, block_tables
 
     def branch(size):
         def run(kv):
-            meta = AttentionMetadata(slot_mapping=fb.slot_mapping[:size], positions=fb.positions[:size],
-                                     seq_ids=fb.seq_rows[:size], block_tables=block_tables,
-                                     context_lens=context_lens, logits_indices=sample_rows_index,
-                                     num_valid=fb.num_valid)
-            logits, new_kv = spec.forward(spec.graphdef, params, fb.tokens[:size], fb.positions[:size], meta,
-                                          kv, spec.attention_impl)
+            logits, new_kv = _bucket_forward(spec, params, kv, plan, size)
             pad = ((0, 0), (0, largest - size), (0, 0), (0, 0))
             return logits, tuple(jnp.pad(x, pad) for x in new_kv)
         return run
 
-    index = jnp.searchsorted(jnp.asarray(spec.token_buckets), fb.num_valid, side="left")
+    index = jnp.searchsorted(jnp.asarray(spec.token_buckets), plan.fb.num_valid, side="left")
     index = jnp.clip(index, 0, len(spec.token_buckets) - 1)
     logits, (k, v) = lax.switch(index, [branch(b) for b in spec.token_buckets], kv)
-    return logits, kvc.write_layers(kv, k, v, fb.slot_mapping)
+    return logits, kvc.write_layers(kv, k, v, plan.fb.slot_mapping)
+
+
+def model_impl(params, kv: kvc.KVCache, plan: StepPlan, spec: EngineSpec, size: int):
+    """`LazyStep`'s model part: bucket `size` (static: one compile per bucket), then its K/V
+    written into the donated cache. Returns (logits, kv)."""
+    logits, (k, v) = _bucket_forward(spec, params, kv, plan, size)
+    return logits, kvc.write_layers(kv, k, v, plan.fb.slot_mapping[:size])
 
 
 def _suppress_stops(logits, rows: SamplingRows, row_g, outputs_before, eos):
@@ -221,7 +257,8 @@ def _suppress_stops(logits, rows: SamplingRows, row_g, outputs_before, eos):
     return lax.cond(jnp.any(early), suppress, lambda x: x, logits)
 
 
-def step_impl(state: EngineState, params, new: NewRequests, now, spec: EngineSpec):
+def plan_impl(state: EngineState, new: NewRequests, now, spec: EngineSpec) -> tuple[EngineState, StepPlan]:
+    """Admit, schedule, swap and copy blocks, lay out the flat batch: everything before the model."""
     cap = spec.cap
     g, s, _ = state.token_ids.shape
     state = _admit(state, new)
@@ -242,8 +279,16 @@ def step_impl(state: EngineState, params, new: NewRequests, now, spec: EngineSpe
     logits_index = jnp.where(live_row, fb.sample_index.reshape(-1)[gs], 0)
     block_tables = sched.block_table.reshape(g * s, -1)
     context_lens = sched.num_tokens.reshape(-1)
-    logits, kv = _run_model(spec, params, kv, fb, logits_index, block_tables, context_lens)
+    plan = StepPlan(sched=sched, out=out, fb=fb, row_g=row_g, row_s=row_s, gs=gs, live_row=live_row,
+                    logits_index=logits_index, block_tables=block_tables, context_lens=context_lens)
+    return state.replace(kv=kv), plan
 
+
+def finish_impl(state: EngineState, plan: StepPlan, logits, spec: EngineSpec):
+    """Sample from the model's logits, append, fork and finish sequences: everything after it."""
+    g, s, _ = state.token_ids.shape
+    sched, out, fb, kv = plan.sched, plan.out, plan.fb, state.kv
+    row_g, row_s, gs, live_row = plan.row_g, plan.row_s, plan.gs, plan.live_row
     sp = state.sampling
     position = fb.sample_position.reshape(-1)[gs]
     keys = jax.vmap(token_key)(sp.key[row_g], row_s, position)
@@ -292,4 +337,52 @@ def step_impl(state: EngineState, params, new: NewRequests, now, spec: EngineSpe
     return state, result
 
 
+def step_impl(state: EngineState, params, new: NewRequests, now, spec: EngineSpec):
+    state, plan = plan_impl(state, new, now, spec)
+    logits, kv = _run_model(spec, params, state.kv, plan)
+    return finish_impl(state.replace(kv=kv), plan, logits, spec)
+
+
 step = jax.jit(step_impl, static_argnames=("spec",), donate_argnums=(0,))
+
+_plan = jax.jit(plan_impl, static_argnames=("spec",), donate_argnums=(0,))
+_model = jax.jit(model_impl, static_argnames=("spec", "size"), donate_argnums=(1,))
+_finish = jax.jit(finish_impl, static_argnames=("spec",), donate_argnums=(0,))
+
+
+def bucket_for(buckets: tuple[int, ...], num_tokens: int) -> int:
+    """The smallest bucket that holds num_tokens (the largest if none does)."""
+    return next((b for b in buckets if b >= num_tokens), buckets[-1])
+
+
+class LazyStep:
+    """`step(state, params, new, now)` with each token bucket compiled when first needed.
+
+    The step runs as three jitted parts; between the first two the step's token count comes
+    to the host (one scalar) to pick the bucket. Each part compiles once per spec, the model
+    part once per bucket (and never for a new request length inside a known bucket).
+    `compiled` lists the buckets compiled so far, in order; `compile_seconds` is the time of
+    the calls that compiled something.
+    """
+
+    def __init__(self, spec: EngineSpec, plan=_plan, model=_model, finish=_finish):
+        self.spec, self._plan, self._model, self._finish = spec, plan, model, finish
+        self.compiled: list[int] = []
+        self.compile_seconds = 0.0
+        self._planned = False
+
+    def __call__(self, state: EngineState, params, new: NewRequests, now):
+        start = time.perf_counter()
+        first = not self._planned
+        state, plan = self._plan(state, new, now, spec=self.spec)
+        size = bucket_for(self.spec.token_buckets, int(plan.fb.num_valid))
+        fresh = size not in self.compiled
+        logits, kv = self._model(params, state.kv, plan, spec=self.spec, size=size)
+        state, out = self._finish(state.replace(kv=kv), plan, logits, spec=self.spec)
+        if first or fresh:
+            jax.block_until_ready(out)
+            self.compile_seconds += time.perf_counter() - start
+            self._planned = True
+            if fresh:
+                self.compiled.append(size)
+        return state, out

@@ -134,7 +134,10 @@ class LLM:
                                max_prompt_len=self.config.max_model_len, attention_impl=attention_impl)
         eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         self.state = place(init_engine(self.config, kv, eos))
-        self._step = functools.partial(step, spec=self.spec)
+        from jaxsched.engine import LazyStep
+        # Each token bucket compiles when a step first needs it: the first request waits for
+        # its own bucket only (`warm_up` compiles them all ahead of serving).
+        self._step = LazyStep(self.spec)
         if tp > 1 or devices:
             # Over a mesh the step is jitted with explicit shardings: the state keeps its
             # placement (cache by kv head, the rest replicated), requests come in replicated.
@@ -448,11 +451,13 @@ class LLM:
         return [self.output(i) for i in ids]
 
     def warm_up(self) -> float:
-        """Run every token bucket once before serving; returns the seconds it took.
+        """Compile and run every token bucket once before serving; returns the seconds it took.
 
-        The first step compiles the engine, and XLA:CPU pays a further one-time cost the
-        first time each part of the compiled step runs (a few hundred ms per token bucket for
-        SmolLM2), including the attention loop over cached blocks, which fresh prefills skip.
+        Without it each bucket compiles when a step first needs it (on one device; over a
+        mesh the first step compiles them all), so a later request can wait for a compile.
+        XLA:CPU also pays a one-time cost the first time each part of a compiled step runs
+        (a few hundred ms per token bucket for SmolLM2), including the attention loop over
+        cached blocks, which fresh prefills skip.
         So each round here is one step of a bucket's size that holds a decode: a short
         greedy request is prefilled first, then prompts of token id 0 filling the rest of
         the bucket join its next step. Buckets the cache cannot hold are left to warm on

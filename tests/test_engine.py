@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from jaxsched import check_invariants
-from jaxsched.engine import step_impl
+from jaxsched.engine import LazyStep, finish_impl, model_impl, plan_impl, step_impl
 from jaxsched.llm import LLM
 from jaxsched.params import SamplingParams
 from models.llama import LlamaConfig, LlamaForCausalLM, dense_forward
@@ -43,9 +43,9 @@ def make_prompts(num: int, seed: int = 0, lengths=(4, 24)) -> list[list[int]]:
     return [rng.integers(0, VOCAB, size=int(rng.integers(*lengths))).tolist() for _ in range(num)]
 
 
-def run(llm: LLM, prompts, params, check=True):
+def run(llm: LLM, prompts, params, check=True, prefix="r"):
     """generate(), but stepping by hand so the invariants are checked after every step."""
-    ids = [f"r{i}" for i in range(len(prompts))]
+    ids = [f"{prefix}{i}" for i in range(len(prompts))]
     for rid, prompt, p in zip(ids, prompts, params):
         llm.add_request(rid, prompt, p)
     while llm.has_unfinished():
@@ -114,9 +114,41 @@ def test_engine__no_retrace_over_a_long_mixed_run(model):
     llm = make_llm(model, num_device_blocks=24)
     guarded = jax.jit(chex.assert_max_traces(step_impl, n=1), static_argnames=("spec",), donate_argnums=(0,))
     llm._step = functools.partial(guarded, spec=llm.spec)
+    prompts, params = make_prompts(12, seed=3), [SamplingParams(max_tokens=15, temperature=0.0)] * 12
     try:
-        run(llm, make_prompts(12, seed=3), [SamplingParams(max_tokens=15, temperature=0.0)] * 12, check=False)
+        got = run(llm, prompts, params, check=False)
         assert llm.stats()["steps"] > 30
+    finally:
+        chex.clear_trace_counter()
+    # The one-program step (every bucket under a lax.switch) and LLM's lazy one agree.
+    assert got == run(make_llm(model, num_device_blocks=24), prompts, params, check=False)
+
+
+def test_engine__lazy_step_compiles_a_bucket_once_when_first_needed(model):
+    llm = make_llm(model, num_device_blocks=24)
+    buckets = llm.spec.token_buckets
+    parts = dict(plan=jax.jit(chex.assert_max_traces(plan_impl, n=1), static_argnames=("spec",), donate_argnums=(0,)),
+                 model=jax.jit(chex.assert_max_traces(model_impl, n=len(buckets)), static_argnames=("spec", "size"),
+                               donate_argnums=(1,)),
+                 finish=jax.jit(chex.assert_max_traces(finish_impl, n=1), static_argnames=("spec",),
+                                donate_argnums=(0,)))
+    lazy = llm._step = LazyStep(llm.spec, **parts)
+    greedy = SamplingParams(max_tokens=3, temperature=0.0)
+    sizes = lambda: {name: fn._cache_size() for name, fn in parts.items()}  # noqa: E731
+    try:
+        assert lazy.compiled == []                        # nothing compiled before a step needs it
+        run(llm, [[1] * 5], [greedy])
+        assert lazy.compiled == [8]                       # prefill of 5 and decodes: one bucket
+        before = sizes()
+        run(llm, [[2] * 3], [greedy], prefix="b")          # other lengths, the same bucket
+        run(llm, [[3] * 7], [greedy], prefix="c")
+        assert lazy.compiled == [8] and sizes() == before
+        run(llm, [[4] * 20], [greedy], prefix="d")         # a longer prompt: its bucket, once
+        assert lazy.compiled == [8, 32]
+        before = sizes()
+        run(llm, [[5] * 27, [6] * 4], [greedy, greedy], prefix="e")
+        assert lazy.compiled == [8, 32] and sizes() == before
+        assert before == {"plan": 1, "model": 2, "finish": 1}
     finally:
         chex.clear_trace_counter()
 
@@ -149,7 +181,7 @@ def test_engine__warm_up_runs_every_bucket_and_leaves_nothing_behind(model):
     llm.warm_up()
     buckets = llm.spec.token_buckets
     hit = {buckets[int(np.searchsorted(buckets, n))] for n in ran}
-    assert hit == set(buckets)
+    assert hit == set(buckets) and sorted(step.compiled) == list(buckets)   # all compiled before serving
     assert not llm.has_unfinished()
     check_invariants(llm.state.sched, llm.config)
     assert int(np.asarray(llm.state.sched.device_ref).sum()) == 0   # every block back in the pool
