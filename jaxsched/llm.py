@@ -591,7 +591,8 @@ def _place_model(model_config, tensors, instance, cap, tp, devices, attention_im
     if tp == 1 and not devices:
         if instance is None:
             from models.loader import build_model
-            instance = build_model(mc, tensors)
+            # The host tensors are not needed again: freed as they are placed, for a lower peak.
+            instance = build_model(mc, tensors, consume=True)
         graphdef, params = nnx.split(instance)
         return graphdef, params, paged_forward_new_kv, init_kv_cache(*shape, dtype=dtype), lambda st: st
     from jax.sharding import NamedSharding, PartitionSpec

@@ -233,7 +233,7 @@ def place_hf_tensors(model_abstract_or_config, tensors: dict[str, np.ndarray], m
     dtype = jnp.dtype(config.dtype)
     flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
     by_path = dict(flat)
-    for path, (shape, fill) in stack_hf_tensors(expected, tensors, dtype).items():
+    for path, (shape, fill, _) in stack_hf_tensors(expected, tensors, dtype).items():
         sharding = NamedSharding(mesh, param_spec(path, config, size))
         by_path[path].set_value(jax.make_array_from_callback(shape, sharding, fill))
     return nnx.from_flat_state(flat)

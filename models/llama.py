@@ -394,12 +394,12 @@ def to_hf_state_dict(model: LlamaForCausalLM) -> dict[str, np.ndarray]:
     return out
 
 
-def stack_hf_tensors(expected: dict[str, HFParam], state: dict, dtype) -> dict[tuple, tuple[Any, Any]]:
-    """NNX path -> (full shape, fill(index) -> np.ndarray of that index of the parameter).
+def stack_hf_tensors(expected: dict[str, HFParam], state: dict, dtype) -> dict[tuple, tuple[Any, Any, list[str]]]:
+    """NNX path -> (full shape, fill(index) -> np.ndarray of that index, the HF names it reads).
 
-    `fill` builds any slice (a device's shard, or everything) straight from the HF tensors,
-    stacking layers as it goes and casting only what it returns: no whole stacked copy of
-    the weights is made on the host before they are placed.
+    `fill` builds any slice (a device's shard, or everything) straight from the HF tensors in
+    `state`, read when it is called, stacking layers as it goes and casting only what it
+    returns: no stacked copy of all the weights is ever made on the host.
     """
     by_path: dict[tuple, list] = {}
     for name, p in expected.items():
@@ -407,25 +407,27 @@ def stack_hf_tensors(expected: dict[str, HFParam], state: dict, dtype) -> dict[t
     out = {}
     for path, entries in by_path.items():
         entries.sort(key=lambda e: -1 if e[0].layer is None else e[0].layer)
-        hosts = []
-        for p, name in entries:
-            host = np.asarray(state[name])
-            hosts.append(host.T if p.transposed else host)  # a view: nothing copied yet
-        if entries[0][0].layer is None:
-            host = hosts[0]
-            out[path] = (host.shape, lambda index, host=host: np.asarray(host[index], dtype=dtype))
-        else:
-            shape = (len(hosts),) + hosts[0].shape
+        names = [name for _, name in entries]
+        transposed = entries[0][0].transposed
+        host_shape = entries[0][0].shape[::-1] if transposed else entries[0][0].shape
+        stacked = entries[0][0].layer is not None
+        shape = ((len(names),) if stacked else ()) + tuple(host_shape)
 
-            def fill(index, hosts=hosts, shape=shape):
-                index = tuple(index) + (slice(None),) * (len(shape) - len(index))
-                layers = range(shape[0])[index[0]]
-                part = np.empty((len(layers),) + tuple(len(range(*s.indices(n))) for s, n in
-                                                       zip(index[1:], shape[1:])), dtype)
-                for j, i in enumerate(layers):
-                    part[j] = hosts[i][index[1:]]
-                return part
-            out[path] = (shape, fill)
+        def host(name, transposed=transposed):
+            array = np.asarray(state[name])
+            return array.T if transposed else array  # a view: nothing copied yet
+
+        def fill(index, names=names, shape=shape, stacked=stacked, host=host):
+            index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+            if not stacked:
+                return np.asarray(host(names[0])[index], dtype=dtype)
+            layers = range(shape[0])[index[0]]
+            part = np.empty((len(layers),) + tuple(len(range(*s.indices(n))) for s, n in zip(index[1:], shape[1:])),
+                            dtype)
+            for j, i in enumerate(layers):
+                part[j] = host(names[i])[index[1:]]
+            return part
+        out[path] = (shape, fill, names)
     return out
 
 
@@ -449,9 +451,11 @@ def check_hf_tensors(model: LlamaForCausalLM, state: dict[str, np.ndarray]) -> d
     return expected
 
 
-def load_hf_state_dict(model: LlamaForCausalLM, state: dict[str, np.ndarray]) -> None:
+def load_hf_state_dict(model: LlamaForCausalLM, state: dict[str, np.ndarray], consume: bool = False) -> None:
     """Assign HF-named tensors to `model` in place (cast to the config dtype, layers stacked).
 
+    consume=True deletes each tensor from `state` once it is placed, so the host copy of the
+    weights shrinks as the device copy grows (the peak is about one copy, not two).
     Raises ValueError naming every missing, unexpected and mis-shaped tensor. Ignored: rotary
     inv_freq buffers, and `lm_head.weight` when the embeddings are tied.
     """
@@ -459,6 +463,9 @@ def load_hf_state_dict(model: LlamaForCausalLM, state: dict[str, np.ndarray]) ->
     dtype = jnp.dtype(model.config.dtype)
     flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
     by_path = {path: var for path, var in flat}
-    for path, (shape, fill) in stack_hf_tensors(expected, state, dtype).items():
-        by_path[path].set_value(jnp.asarray(fill((slice(None),) * len(shape))))
+    for path, (shape, fill, names) in stack_hf_tensors(expected, state, dtype).items():
+        by_path[path].set_value(jnp.array(fill((slice(None),) * len(shape))))
+        if consume:
+            for name in names:
+                del state[name]
     nnx.update(model, nnx.from_flat_state(flat))

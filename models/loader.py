@@ -10,6 +10,7 @@ initialised first.
 """
 from __future__ import annotations
 
+import ctypes
 import pathlib
 from typing import Optional
 
@@ -25,11 +26,28 @@ DEFAULT_MODEL = "smollm2-135m"
 _ALIASES = {"smollm2-135m", "smollm2-135m-instruct", "smollm2"}
 
 
-def build_model(config: LlamaConfig, tensors: dict[str, np.ndarray]) -> LlamaForCausalLM:
-    """A model whose parameters are exactly `tensors` (HF names), with no random init."""
+def build_model(config: LlamaConfig, tensors: dict[str, np.ndarray], consume: bool = False) -> LlamaForCausalLM:
+    """A model whose parameters are exactly `tensors` (HF names), with no random init.
+
+    consume=True empties `tensors` as it goes (see `load_hf_state_dict`)."""
     model = nnx.eval_shape(lambda: LlamaForCausalLM(config, nnx.Rngs(0)))
-    load_hf_state_dict(model, tensors)
+    load_hf_state_dict(model, tensors, consume=consume)
+    if consume:
+        _release_freed_memory()
     return model
+
+
+def _release_freed_memory() -> None:
+    """Hand the heap the freed host tensors leave behind back to the OS (glibc only).
+
+    The tensors are many arrays of a few MB, below malloc's mmap threshold, so freeing them
+    does not shrink the process; without this the compile that follows starts from the
+    loading peak and adds its own on top.
+    """
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def load_weights(name_or_path: Optional[str] = None, dtype: str = "float32"
@@ -58,4 +76,4 @@ def load_model(name_or_path: Optional[str] = None, dtype: str = "float32"
                ) -> tuple[LlamaForCausalLM, Optional[Tokenizer]]:
     """(model, tokenizer) for a name, a .gguf file or an HF checkpoint directory."""
     config, tensors, tokenizer = load_weights(name_or_path, dtype)
-    return build_model(config, tensors), tokenizer
+    return build_model(config, tensors, consume=True), tokenizer
