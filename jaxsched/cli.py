@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
@@ -94,13 +95,25 @@ ENGINE_FLAGS = {
 }
 
 
+SIZED_FLAGS = ("num_device_blocks", "num_host_blocks")
+SIZING_FLAGS = ("gpu_memory_utilization", "swap_space")
+
+
 def add_engine_args(parser: argparse.ArgumentParser, defaults: dict | None = None) -> None:
     """The model and engine flags shared by `generate` and `serve`."""
-    defaults = defaults or {}
+    defaults = dict(defaults or {})
     a = parser.add_argument
+    # Block counts from `defaults` apply only when neither sizing flag is given: then a flag
+    # sizes the caches the user did not count (engine_kwargs).
+    counted = {k: defaults.pop(k) for k in SIZED_FLAGS if k in defaults}
+    for name in SIZED_FLAGS:
+        if name in counted:
+            parser.set_defaults(**{f"_default_{name}": counted[name]})
     a("--model", default=None, help="smollm2-135m (the embedded default), a .gguf file or an HF directory")
     a("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights' dtype")
     for name, (kind, text) in ENGINE_FLAGS.items():
+        if name in counted:
+            text += f"; without --gpu-memory-utilization / --swap-space: {counted[name]}"
         a("--" + name.replace("_", "-"), type=kind, default=defaults.get(name), help=text)
     a("--enable-chunked-prefill", action="store_true", help="split long prompts over steps (SPEC A6)")
     a("--tensor-parallel-size", type=int, default=None,
@@ -108,6 +121,12 @@ def add_engine_args(parser: argparse.ArgumentParser, defaults: dict | None = Non
     a("--data-parallel-size", type=int, default=None,
       help="independent engine replicas on disjoint device slices")
     a("--seed", type=int, default=0, help="engine seed (and the first prompt's seed)")
+    a("--gpu-memory-utilization", type=float, default=None,
+      help="size the device KV cache from memory: this share of the device's memory, less the "
+           "weights and the largest step's working memory (vLLM's; None means 0.9 when sizing)")
+    a("--swap-space", type=float, default=None,
+      help="size the host KV cache (swap) from this many GiB per device (vLLM's; None means 4 "
+           "when sizing)")
     add_cache_arg(parser)
 
 
@@ -120,6 +139,14 @@ def add_cache_arg(parser: argparse.ArgumentParser) -> None:
 def engine_kwargs(args) -> dict:
     """`LLM(...)` keyword arguments from the flags of `add_engine_args`."""
     engine = {name: getattr(args, name) for name in ENGINE_FLAGS if getattr(args, name) is not None}
+    sizing = {k: getattr(args, k) for k in SIZING_FLAGS if getattr(args, k, None) is not None}
+    if sizing:
+        engine.update(sizing)
+    else:
+        for name in SIZED_FLAGS:
+            default = getattr(args, f"_default_{name}", None)
+            if name not in engine and default is not None:
+                engine[name] = default
     if args.enable_chunked_prefill:
         engine["enable_chunked_prefill"] = True
     if args.tensor_parallel_size or args.data_parallel_size:
@@ -134,7 +161,10 @@ def engine_kwargs(args) -> dict:
 def check_engine_kwargs(engine: dict):
     """The SchedulerConfig these flags make, checked before any model loads (ValueError)."""
     from jaxsched.llm import _check_engine_args
-    return _check_engine_args({k: v for k, v in engine.items() if k != "mesh_shape"})
+    from jaxsched.sizing import check_args
+    check_args(engine.get("gpu_memory_utilization", 0.9), engine.get("swap_space", 4))
+    return _check_engine_args({k: v for k, v in engine.items()
+                               if k != "mesh_shape" and k not in SIZING_FLAGS})
 
 
 def _say(text: str) -> None:
@@ -286,8 +316,19 @@ def _show_defaults(parser: argparse.ArgumentParser) -> None:
                 _show_defaults(child)
 
 
+def _log_to_stderr() -> None:
+    """jaxsched's own INFO lines (the cache sizing, as vLLM logs it) go to stderr."""
+    logger = logging.getLogger("jaxsched")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _log_to_stderr()
     return args.func(args)
 
 

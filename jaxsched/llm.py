@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxsched import sizing
 from jaxsched.compilation_cache import enable_compilation_cache
 from jaxsched.config import PreemptionMode, SchedulerConfig
 from jaxsched.cost_model import PreemptionCosts, measure_preemption_costs
@@ -84,12 +85,14 @@ class LLM:
     def __init__(self, model=None, *, tokenizer=None, seed: int = 0, dtype: str = "float32",
                  attention_impl: str = "chunked", max_requests_per_step: int = 8,
                  mesh_shape: Optional[tuple[int, int]] = None, tensor_parallel_size: Optional[int] = None,
-                 devices=None, **engine_args):
+                 devices=None, gpu_memory_utilization: float = 0.9, swap_space: float = 4,
+                 device_memory_bytes: Optional[int] = None, **engine_args):
         unknown = sorted(set(engine_args) - ENGINE_ARGS)
         if unknown:
             raise TypeError(f"LLM: unknown engine argument {unknown[0]!r}; "
                             f"expected SchedulerConfig fields")
         _check_engine_args(engine_args)                  # bad flags fail before any loading
+        sizing.check_args(gpu_memory_utilization, swap_space)
         enable_compilation_cache()                       # a second start loads, not compiles
         from models.llama import LlamaForCausalLM
         if tensor_parallel_size is not None:
@@ -110,6 +113,8 @@ class LLM:
             from jaxsched.sharding import make_mesh
             mesh = make_mesh(data, tp, devices)
             kw = dict(tokenizer=tokenizer, seed=seed, dtype=dtype, attention_impl=attention_impl,
+                      gpu_memory_utilization=gpu_memory_utilization, swap_space=swap_space,
+                      device_memory_bytes=device_memory_bytes,
                       max_requests_per_step=max_requests_per_step, **engine_args)
             self._replicas = [LLM((model_config, tensors, instance), mesh_shape=(1, tp),
                                   devices=list(mesh.devices[i].flat), **kw) for i in range(data)]
@@ -121,13 +126,16 @@ class LLM:
         if engine_args.get("max_model_len", 0) > context:
             raise ValueError(f"max_model_len: {engine_args['max_model_len']} is longer than the "
                              f"model's context length {context} (max_position_embeddings)")
-        engine_args.setdefault("max_model_len", min(1024, context))
-        engine_args.setdefault("max_num_batched_tokens", max(512, engine_args.get("max_num_seqs", 16)))
         engine_args.setdefault("seed", seed)
-        self.config = SchedulerConfig(**engine_args)
+        # Block counts not given are sized from memory (gpu_memory_utilization, swap_space),
+        # measured with the model placed: jaxsched.sizing; self.cache_plan says what it chose.
+        self.config, self.cache_plan, placed = sizing.size_engine(
+            engine_args, model_config,
+            lambda cap: _place_model(model_config, tensors, instance, cap, tp, devices, attention_impl),
+            gpu_memory_utilization=gpu_memory_utilization, swap_space=swap_space,
+            device_memory_bytes=device_memory_bytes, tensor_parallel_size=tp, attention_impl=attention_impl)
         cap = self.config.capacity()
-        graphdef, self.params, forward, kv, place = _place_model(
-            model_config, tensors, instance, cap, tp, devices, attention_impl)
+        graphdef, self.params, forward, kv, place = placed
         self.spec = EngineSpec(cap=cap, forward=forward, graphdef=graphdef,
                                token_buckets=token_buckets(self.config.max_num_batched_tokens),
                                num_sample_rows=self.config.max_num_seqs,
