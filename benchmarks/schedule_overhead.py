@@ -9,7 +9,7 @@ step admits them all, then every step decodes one token per group. The device ca
 prefill. After a warm-up of WARMUP steps, STEPS calls of each scheduler are timed one by
 one, in alternating blocks of BLOCK_STEPS steps (jaxsched, reference, jaxsched, ...), so slow
 drifts in the load of other processes hit both alike. The jaxsched call is the public
-`schedule_step(state, now, cap=cap)`, which returns the new state; the timing includes
+`schedule_step(state, cap, now)`, which returns the new state; the timing includes
 `block_until_ready` on the state and the output. Between timed calls `update` (jaxsched)
 and `process_outputs` (reference) apply one token per sequence, untimed, as a serving loop
 would. Every 16th decode step hands each group a new block, so the median is a step
@@ -81,7 +81,7 @@ class Jaxsched:
         """One timed `schedule_step`, then the untimed `update`; returns seconds."""
         now = self.nows[self.t]
         start = time.perf_counter()
-        state, out = schedule_step(self.state, now, cap=self.cap)
+        state, out = schedule_step(self.state, self.cap, now)
         jax.block_until_ready((state, out))
         elapsed = time.perf_counter() - start
         self.state, _, _ = update(state, out.scheduled, out.num_scheduled_tokens, out.is_prefill)

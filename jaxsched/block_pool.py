@@ -128,12 +128,6 @@ def first_holder(table: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Arr
     return holder, holder == jnp.arange(s)[None, :, None]
 
 
-def unique_blocks(table: jax.Array, valid: jax.Array) -> jax.Array:
-    """int32[G]: distinct blocks each group holds."""
-    _, is_first = first_holder(table, valid)
-    return (is_first & valid).sum(axis=(1, 2), dtype=jnp.int32)
-
-
 def add_refs(ref_count: jax.Array, table: jax.Array, mask: jax.Array, delta: int) -> jax.Array:
     """Add `delta` to the count of every block referenced by a masked entry."""
     idx = jnp.where(mask, table, ref_count.shape[0])

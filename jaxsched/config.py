@@ -57,11 +57,6 @@ class Capacity:
     enable_chunked_prefill: bool = False
     artificial_preemption: bool = False
 
-    @property
-    def max_pairs(self) -> int:
-        """Room for block pairs of one step: every device block can move or be copied once."""
-        return self.num_device_blocks + self.num_slots * self.max_seqs_per_group
-
 
 def _require(cond: bool, field: str, message: str) -> None:
     if not cond:

@@ -31,7 +31,7 @@ from jaxsched.attention import AttentionMetadata
 from jaxsched.batch import flat_batch
 from jaxsched.config import Capacity, SchedulerConfig
 from jaxsched.requests import RequestBatch, add_requests, free_finished, update
-from jaxsched.sampling import sample, token_key
+from jaxsched.sampling import apply_penalties, sample, token_key
 from jaxsched.scheduler import schedule_step
 from jaxsched.state import FINISHED, SchedulerState, init_state
 
@@ -44,6 +44,7 @@ class SamplingRows:
       temperature, top_p, min_p: float32[R]; top_k: int32[R] (<= 0 disables).
       key: uint32[R, 2] the request's base PRNG key (from its seed, or the engine key and id).
       min_tokens: int32[R]; ignore_eos: bool[R]; stop_token_ids: int32[R, K] (-1 padded).
+      presence_penalty, frequency_penalty: float32[R] (0 off); repetition_penalty: float32[R] (1 off).
     """
     temperature: jax.Array
     top_k: jax.Array
@@ -53,6 +54,9 @@ class SamplingRows:
     min_tokens: jax.Array
     ignore_eos: jax.Array
     stop_token_ids: jax.Array
+    presence_penalty: jax.Array
+    frequency_penalty: jax.Array
+    repetition_penalty: jax.Array
 
 
 @struct.dataclass
@@ -165,7 +169,9 @@ def init_engine(config: SchedulerConfig, kv_cache: kvc.KVCache, eos_token_id: in
         token_ids=z(g, s, m * cap.block_size), pending=z(g, s), pending_logprob=z(g, s, dt=jnp.float32),
         sampling=SamplingRows(temperature=z(g, dt=jnp.float32), top_k=z(g), top_p=jnp.ones((g,), jnp.float32),
                               min_p=z(g, dt=jnp.float32), key=jnp.zeros((g, 2), jnp.uint32),
-                              min_tokens=z(g), ignore_eos=z(g, dt=bool), stop_token_ids=jnp.full((g, 8), -1, jnp.int32)),
+                              min_tokens=z(g), ignore_eos=z(g, dt=bool), stop_token_ids=jnp.full((g, 8), -1, jnp.int32),
+                              presence_penalty=z(g, dt=jnp.float32), frequency_penalty=z(g, dt=jnp.float32),
+                              repetition_penalty=jnp.ones((g,), jnp.float32)),
         eos_token_id=jnp.asarray(-1 if eos_token_id is None else eos_token_id, jnp.int32),
     )
     # Commit every array to its device, as `step`'s outputs are: otherwise the second step
@@ -262,7 +268,7 @@ def plan_impl(state: EngineState, new: NewRequests, now, spec: EngineSpec) -> tu
     cap = spec.cap
     g, s, _ = state.token_ids.shape
     state = _admit(state, new)
-    sched, out = schedule_step(state.sched, now, cap=cap)
+    sched, out = schedule_step(state.sched, cap, now)
     kv = kvc.swap_out(state.kv, out.blocks_to_swap_out, out.num_swap_out)
     kv = kvc.swap_in(kv, out.blocks_to_swap_in, out.num_swap_in)
     kv = kvc.copy_blocks(kv, out.blocks_to_copy, out.num_copy)
@@ -293,6 +299,11 @@ def finish_impl(state: EngineState, plan: StepPlan, logits, spec: EngineSpec):
     position = fb.sample_position.reshape(-1)[gs]
     keys = jax.vmap(token_key)(sp.key[row_g], row_s, position)
     logits = _suppress_stops(logits, sp, row_g, position - sched.prompt_len[row_g], state.eos_token_id)
+    # Penalties count tokens from the buffers: the prompt from sequence 0 (a group's other
+    # sequences get it at the fork), the output from the row's own sequence.
+    logits = apply_penalties(logits, state.token_ids[row_g, 0], state.token_ids[row_g, row_s],
+                             sched.prompt_len[row_g], position, sp.presence_penalty[row_g],
+                             sp.frequency_penalty[row_g], sp.repetition_penalty[row_g])
     tok, logprob = sample(logits, sp.temperature[row_g], sp.top_k[row_g], sp.top_p[row_g],
                           sp.min_p[row_g], keys)
     drop = jnp.where(live_row, gs, g * s)

@@ -34,8 +34,7 @@ def pair_rows(cap: Capacity) -> int:
 
     A swap moves each block to a block of its own on the other side, so a step swaps at
     most min(device, host) blocks each way; a copy-on-write is at most one per sequence.
-    (Capacity.max_pairs, the pool plus the sequences, is a looser bound; the lists are
-    padded outputs of every step, so the tighter one saves writing them.)
+    The lists are padded outputs of every step, so a tight bound saves writing them.
     """
     swaps = min(cap.num_device_blocks, cap.num_host_blocks)
     return max(swaps, cap.num_slots * cap.max_seqs_per_group, 1)
@@ -70,9 +69,9 @@ def _admitted_entries(seq_alive, num_tokens, d, admitted, width, block_size):
     seq = jnp.arange(s, dtype=jnp.int32)[None, :, None]
     pos = jnp.arange(width)[None, None, :]
     num_blocks = jnp.where(seq_alive, (num_tokens + block_size - 1) // block_size, 0)
-    is_leader = seq[..., 0] == d["leader"][:, None]
-    shared = jnp.where((d["n_live"] > 1)[:, None] & ~is_leader, d["prompt_blocks"][:, None], 0)
-    holder = jnp.where(pos < shared[..., None], d["leader"][:, None, None].astype(jnp.int32), seq)
+    is_leader = seq[..., 0] == d.leader[:, None]
+    shared = jnp.where((d.n_live > 1)[:, None] & ~is_leader, d.prompt_blocks[:, None], 0)
+    holder = jnp.where(pos < shared[..., None], d.leader[:, None, None].astype(jnp.int32), seq)
     valid = admitted[:, None, None] & seq_alive[..., None] & (pos < num_blocks[..., None])
     own = jnp.where(admitted[:, None] & seq_alive, jnp.maximum(num_blocks - shared, 0), 0)
     row_start = exclusive_cumsum(own.reshape(-1), bound=own.size * width).reshape(own.shape)
@@ -121,7 +120,7 @@ def _fresh_tables(blk: Blocks, pairs, host_table, seq_alive, num_tokens, d, shar
 def _appends(d: dict, decoding):
     """(new block, copy-on-write, either) per sequence of the decoding groups."""
     decoding = decoding[:, None]
-    app_new, app_cow = d["need_new"] & decoding, d["cow"] & decoding
+    app_new, app_cow = d.need_new & decoding, d.cow & decoding
     return app_new, app_cow, app_new | app_cow
 
 
@@ -167,7 +166,7 @@ def place(blk: Blocks, pairs, host_table, seq_alive, num_tokens, d: dict, share,
     Returns the new blocks, the pair lists with swap-in and copy rows written, and the
     numbers of swap-in and copy pairs.
     """
-    app_new, app_cow, app = _appends(d, (run_served | swapped_in) & ~d["in_prefill"])
+    app_new, app_cow, app = _appends(d, (run_served | swapped_in) & ~d.in_prefill)
     blocks = free_list(blk.device_ref, num_active)
     app_id = take_ranked(blocks, mask_rank(app), app)
 

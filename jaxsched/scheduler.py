@@ -23,7 +23,7 @@ from jax import lax
 
 from jaxsched import placement
 from jaxsched.block_pool import entry_valid, exclusive_cumsum, first_holder, num_free
-from jaxsched.config import Capacity, SchedulerConfig
+from jaxsched.config import PREEMPT_RECOMPUTE, PREEMPT_SWAP, Capacity, SchedulerConfig
 from jaxsched.placement import Blocks, no_pairs
 from jaxsched.preemption import (choose_modes, free_victims, no_victims, pick_modes,
                                  preempted_fields, recompute_tokens)
@@ -73,11 +73,11 @@ def _admission(state, cap, d, q: Queues, free, token_left, seq_left):
     lim = state.limits
     order, m = q.walk(0), q.count[0]
     t = lambda x: jnp.take(x, order, axis=0)
-    n_live = t(d["n_live"])
+    n_live = t(d.n_live)
     multi = n_live > 1
     total = t(state.prefill_total)
     seq_blocks = jnp.where(state.seq_alive, _ceil_div(state.num_tokens, cap.block_size), 0).sum(1)
-    footprint = t(seq_blocks) - jnp.maximum(n_live - 1, 0) * t(d["prompt_blocks"])
+    footprint = t(seq_blocks) - jnp.maximum(n_live - 1, 0) * t(d.prompt_blocks)
     test_need = footprint + jnp.where(multi, n_live, 0)
     # NEVER wherever the watermark can never be met, also for B1's forked re-admissions:
     # with `need > num_device_blocks - watermark_blocks` the group would wait forever.
@@ -94,9 +94,9 @@ def _admission(state, cap, d, q: Queues, free, token_left, seq_left):
     else:
         too_long = single & (total > jnp.minimum(lim.max_model_len, lim.max_num_batched_tokens))
     walk = prefix_walk(never | too_long, test_need, footprint, total,
-                       multi | cap.enable_chunked_prefill, t(d["nmax"]), m,
+                       multi | cap.enable_chunked_prefill, t(d.nmax), m,
                        free, lim.watermark_blocks, token_left, seq_left)
-    served, skipped, chunk, too_long = q.to_slots(0, d["is_wait"], *walk, too_long)
+    served, skipped, chunk, too_long = q.to_slots(0, d.is_wait, *walk, too_long)
     reason = jnp.where(too_long, IGNORE_PROMPT_TOO_LONG, IGNORE_NEVER_FITS)
     return PrefixWalk(served, skipped, chunk), reason
 
@@ -106,14 +106,14 @@ def _swapped(state, cap, d, q: Queues, free, token_left, seq_left):
     lim = state.limits
     order, m = q.walk(2), q.count[2]
     t = lambda x: jnp.take(x, order, axis=0)
-    test_need = t(d["held"] + d["n_live"])
-    tokens = t(jnp.where(d["in_prefill"], d["rest"], d["n_live"]))
-    chunkable = t(d["in_prefill"] & (d["rest"] > lim.max_num_batched_tokens))
-    append_h = jnp.where(d["is_swap"], d["appends"], 0)
-    walk = prefix_walk(lim.num_device_blocks - test_need < lim.watermark_blocks, test_need, t(d["held"] + append_h),
-                       tokens, chunkable, t(d["nmax"]), m, free,
+    test_need = t(d.held + d.n_live)
+    tokens = t(jnp.where(d.in_prefill, d.rest, d.n_live))
+    chunkable = t(d.in_prefill & (d.rest > lim.max_num_batched_tokens))
+    append_h = jnp.where(d.is_swap, d.appends, 0)
+    walk = prefix_walk(lim.num_device_blocks - test_need < lim.watermark_blocks, test_need, t(d.held + append_h),
+                       tokens, chunkable, t(d.nmax), m, free,
                        lim.watermark_blocks, token_left, seq_left)
-    return PrefixWalk(*q.to_slots(2, d["is_swap"], *walk))
+    return PrefixWalk(*q.to_slots(2, d.is_swap, *walk))
 
 
 class Running(NamedTuple):
@@ -136,16 +136,16 @@ def _running(state, cap, d, q: Queues, free, enabled):
     branch. Artificial preemption always walks.
     """
     lim = state.limits
-    g = d["is_run"].shape[0]
+    g = d.is_run.shape[0]
     count = state.artificial_count
-    full = jnp.where(d["in_prefill"], d["rest"], d["n_live"])
+    full = jnp.where(d.in_prefill, d.rest, d.n_live)
 
     def walk():
         order, m = q.walk(1), q.count[1]
         t = lambda x: jnp.take(x, order, axis=0)
-        append_d = jnp.where(d["is_run"], d["appends"], 0)
-        inp = RunningInputs(num_seqs=t(d["n_live"]), need=t(append_d), held=t(d["held"]),
-                            full=t(full), is_prefill=t(d["in_prefill"]))
+        append_d = jnp.where(d.is_run, d.appends, 0)
+        inp = RunningInputs(num_seqs=t(d.n_live), need=t(append_d), held=t(d.held),
+                            full=t(full), is_prefill=t(d.in_prefill))
         # SPEC B5 applies only where a lone prefill at the head would be recomputed.
         head = lax.cond(inp.is_prefill[0], lambda: _head_recomputes(state, cap, d, order, m),
                         lambda: jnp.asarray(True))
@@ -156,13 +156,13 @@ def _running(state, cap, d, q: Queues, free, enabled):
         else:
             bound = cap.num_slots * cap.max_seqs_per_group * (cap.max_blocks_per_seq + 1)
             walk, cnt = running_walk(inp, m, free, lim.max_num_batched_tokens, bound, head), count
-        return Running(*q.to_slots(1, d["is_run"], *walk), walk.preempted, cnt)
+        return Running(*q.to_slots(1, d.is_run, *walk), walk.preempted, cnt)
 
     def everyone():
         zb, zi = jnp.zeros((g,), bool), jnp.zeros((g,), jnp.int32)
-        chunk = jnp.where(d["is_run"] & d["in_prefill"], full, jnp.where(d["is_run"], 1, 0))
-        charged = jnp.where(d["is_run"], jnp.where(d["in_prefill"], full, d["n_live"]), 0)
-        return Running(d["is_run"], zb, zi, chunk, charged, zb, count)
+        chunk = jnp.where(d.is_run & d.in_prefill, full, jnp.where(d.is_run, 1, 0))
+        charged = jnp.where(d.is_run, jnp.where(d.in_prefill, full, d.n_live), 0)
+        return Running(d.is_run, zb, zi, chunk, charged, zb, count)
 
     def skip():
         zb, zi = jnp.zeros((g,), bool), jnp.zeros((g,), jnp.int32)
@@ -183,7 +183,7 @@ def _head_recomputes(state, cap: Capacity, d, order, m) -> jax.Array:
     t = lambda x: jnp.take(x, order, axis=0)
     tokens = recompute_tokens(state.prompt_len, state.seq_alive, state.num_tokens, cap.block_size)
     everyone = jnp.arange(order.shape[0]) < m
-    swap_w, _ = choose_modes(everyone, t(d["nmax"]), t(d["held"]), t(tokens), lim.preemption_mode,
+    swap_w, _ = choose_modes(everyone, t(d.nmax), t(d.held), t(tokens), lim.preemption_mode,
                              lim.costs, num_free(state.host_ref, lim.num_host_blocks))
     return ~swap_w[0]
 
@@ -194,11 +194,11 @@ def _everyone_fits(d, lim, free, cap: Capacity) -> jax.Array:
     if cap.artificial_preemption:
         return jnp.asarray(False)
     budget = lim.max_num_batched_tokens
-    g = d["is_run"].shape[0]
+    g = d.is_run.shape[0]
     # run_tokens sums min(full, budget + 1): exact while it is <= budget, and it cannot wrap
     # when budget < 2**31 / G.
-    return ((d["run_tokens"] <= budget) & (budget < (2**31 - 1) // g - 1)
-            & (free - d["run_appends"] >= cap.max_seqs_per_group))
+    return ((d.run_tokens <= budget) & (budget < (2**31 - 1) // g - 1)
+            & (free - d.run_appends >= cap.max_seqs_per_group))
 
 
 def _sharing(state: SchedulerState, d, cap: Capacity):
@@ -207,15 +207,43 @@ def _sharing(state: SchedulerState, d, cap: Capacity):
     Device tables for running groups, host tables for swapped ones. With one sequence per
     group nothing is shared, and the [G, S, S, M] comparison is skipped.
     """
-    valid = entry_valid(state.num_blocks, state.seq_alive & (d["is_run"] | d["is_swap"])[:, None],
+    valid = entry_valid(state.num_blocks, state.seq_alive & (d.is_run | d.is_swap)[:, None],
                         cap.max_blocks_per_seq)
     if cap.max_seqs_per_group == 1:
         return valid, jnp.zeros(valid.shape, jnp.int32), jnp.ones(valid.shape, bool)
-    table = jnp.where(d["is_swap"][:, None, None], state.host_table, state.block_table)
+    table = jnp.where(d.is_swap[:, None, None], state.host_table, state.block_table)
     return (valid,) + first_holder(table, valid)
 
 
-def _basics(state: SchedulerState, cap: Capacity, totals=None):
+class StepValues(NamedTuple):
+    """What a step derives from the state before its walks (G groups, S sequences each).
+
+    `_basics` fills the first part, which every step reads; `_derived` adds the rest, which
+    only the general step needs (None until then).
+    """
+    n_live: jax.Array          # int32[G] live sequences
+    is_run: jax.Array          # bool[G] in running
+    is_wait: jax.Array         # bool[G] in waiting
+    is_swap: jax.Array         # bool[G] in swapped
+    in_prefill: jax.Array      # bool[G] prompt (or recompute) not yet fully computed
+    rest: jax.Array            # int32[G] prefill tokens left
+    leader: jax.Array          # int32[G] the first live sequence
+    need_new: jax.Array        # bool[G, S] a decode needs a fresh block
+    cow: jax.Array             # bool[G, S] a decode's last block is shared: copy-on-write
+    appends: jax.Array         # int32[G] blocks a decode step appends
+    totals: jax.Array          # int32[7] the sums below, from one reduction
+    counts: jax.Array          # int32[3] sizes of waiting, running, swapped
+    run_tokens: jax.Array      # int32[] tokens all of running asks for (capped per group)
+    run_appends: jax.Array     # int32[] blocks all of running appends
+    run_prefills: jax.Array    # int32[] running groups in prefill
+    decode_appends: jax.Array  # int32[] running decodes that append a block
+    share: tuple | None = None           # (valid, holder, is_first) of the step-start tables
+    held: jax.Array | None = None        # int32[G] distinct blocks a group holds
+    nmax: jax.Array | None = None        # int32[G] vLLM's get_max_num_running_seqs
+    prompt_blocks: jax.Array | None = None   # int32[G] full blocks of the prompt
+
+
+def _basics(state: SchedulerState, cap: Capacity, totals=None) -> StepValues:
     """Per-group quantities every step reads: queues, prefill progress, appends.
 
     `totals` (int32[7], from an earlier call) skips the reduction that sums them up.
@@ -242,36 +270,35 @@ def _basics(state: SchedulerState, cap: Capacity, totals=None):
         totals = jnp.stack([is_wait, is_run, is_swap, is_run * full, is_run * appends,
                             is_run & in_prefill, is_run & ~in_prefill & (appends > 0)]
                            ).astype(jnp.int32).sum(1)
-    return dict(n_live=n_live, is_run=is_run, is_wait=is_wait, is_swap=is_swap,
-                in_prefill=in_prefill, rest=rest, leader=leader, need_new=need_new, cow=cow,
-                appends=appends, totals=totals, counts=totals[:3], run_tokens=totals[3],
-                run_appends=totals[4], run_prefills=totals[5], decode_appends=totals[6])
+    return StepValues(n_live=n_live, is_run=is_run, is_wait=is_wait, is_swap=is_swap,
+                      in_prefill=in_prefill, rest=rest, leader=leader, need_new=need_new, cow=cow,
+                      appends=appends, totals=totals, counts=totals[:3], run_tokens=totals[3],
+                      run_appends=totals[4], run_prefills=totals[5], decode_appends=totals[6])
 
 
-def _derived(state: SchedulerState, cap: Capacity, basics: dict):
+def _derived(state: SchedulerState, cap: Capacity, basics: StepValues) -> StepValues:
     """`basics` plus what the walks and the block work read (held blocks, n or live seqs)."""
-    d = dict(basics)
-    d["share"] = valid, _, is_first = _sharing(state, d, cap)
+    d = basics
+    share = valid, _, is_first = _sharing(state, d, cap)
     if cap.max_seqs_per_group == 1:
         alive, m = state.seq_alive, cap.max_blocks_per_seq
-        live = alive & (d["is_run"] | d["is_swap"])[:, None]
+        live = alive & (d.is_run | d.is_swap)[:, None]
         held = jnp.where(live, jnp.clip(state.num_blocks, 0, m), 0)[:, 0]
     else:
         held = (is_first & valid).sum(axis=(1, 2), dtype=jnp.int32)
-    d.update(held=held, nmax=jnp.where(state.forked, d["n_live"], state.n),
-             prompt_blocks=state.prompt_len // cap.block_size)
-    return d
+    return d._replace(share=share, held=held, nmax=jnp.where(state.forked, d.n_live, state.n),
+                      prompt_blocks=state.prompt_len // cap.block_size)
 
 
 def _walks(state, cap, d, q, free0, admission_runs, gate):
     """The three walks in the mode's order; returns (admitted, swapped-in, running)."""
     lim = state.limits
-    g = d["is_run"].shape[0]
+    g = d.is_run.shape[0]
     budget, max_seqs = lim.max_num_batched_tokens, lim.max_num_seqs
-    nmax, held = d["nmax"], d["held"]
+    nmax, held = d.nmax, d.held
     sum_if = lambda mask, x: jnp.where(mask, x, 0).sum(dtype=jnp.int32)
-    append_d = jnp.where(d["is_run"], d["appends"], 0)
-    append_h = jnp.where(d["is_swap"], d["appends"], 0)
+    append_d = jnp.where(d.is_run, d.appends, 0)
+    append_h = jnp.where(d.is_swap, d.appends, 0)
 
     def admission(free, token_left, seq_left, enabled):
         return lax.cond(enabled & (q.count[0] > 0),
@@ -294,7 +321,7 @@ def _walks(state, cap, d, q, free0, admission_runs, gate):
         seq2 = seq1 + sum_if(swp.served, nmax)
         adm, reason = admission(free2, budget - tok2, max_seqs - seq2, gate)
     else:
-        seq0 = sum_if(d["is_run"], nmax)
+        seq0 = sum_if(d.is_run, nmax)
         adm, reason = admission(free0, budget, max_seqs - seq0, admission_runs & gate)
         run_enabled = ~adm.served.any()
         run = _running(state, cap, d, q, free0, run_enabled)
@@ -304,7 +331,7 @@ def _walks(state, cap, d, q, free0, admission_runs, gate):
     return adm, reason, swp, run
 
 
-def schedule_impl(state: SchedulerState, now: jax.Array, cap: Capacity, steady_path: bool = True):
+def schedule_impl(state: SchedulerState, cap: Capacity, now: jax.Array, steady_path: bool = True):
     """One step, unjitted (for wrapping); `schedule_step` is this under `jax.jit`.
 
     NOTE: most steps of a serving loop only decode: nothing waits, nothing is swapped out,
@@ -319,15 +346,15 @@ def schedule_impl(state: SchedulerState, now: jax.Array, cap: Capacity, steady_p
     free0 = num_free(state.device_ref, lim.num_device_blocks)
     if not steady_path or cap.artificial_preemption:
         return _general(state, now, cap, free0)
-    totals = _basics(state, cap)["totals"]
-    b = _basics(state, cap, totals)
-    n_wait, n_run, n_swap = b["counts"]
+    b = _basics(state, cap)
+    totals = b.totals
+    n_wait, n_run, n_swap = b.counts
     order, sorted_ = order_is_cached(state)
     # All of `running` decodes, or all of it prefills: it rejoins in its order (no prefix sum).
-    one_kind = (b["run_prefills"] == 0) | (b["run_prefills"] == n_run)
+    one_kind = (b.run_prefills == 0) | (b.run_prefills == n_run)
     steady = ((n_wait == 0) & (n_swap == 0) & (n_run > 0) & one_kind & sorted_
               & _everyone_fits(b, lim, free0, cap))
-    branch = jnp.where(steady, jnp.where(b["decode_appends"] > 0, 2, 1), 0)
+    branch = jnp.where(steady, jnp.where(b.decode_appends > 0, 2, 1), 0)
     return lax.switch(branch, [
         lambda: _general(state, now, cap, free0, totals),
         lambda: _steady(state, now, cap, free0, totals, order, allocate=False),
@@ -344,9 +371,9 @@ def _steady(state, now, cap: Capacity, free0, totals, order, allocate: bool):
     """
     lim = state.limits
     d = _basics(state, cap, totals)
-    q = queues(state, d, order)
+    q = queues(state, d.counts, order)
     host_free0 = num_free(state.host_ref, lim.num_host_blocks)
-    run, prefill = d["is_run"], d["in_prefill"]
+    run, prefill = d.is_run, d.in_prefill
     decode = run & ~prefill
     g = run.shape[0]
     blk = Blocks(state.block_table, state.num_blocks, state.device_ref, state.host_ref)
@@ -355,7 +382,7 @@ def _steady(state, now, cap: Capacity, free0, totals, order, allocate: bool):
     if allocate:
         blk, pairs, num_copy = placement.append_slots(blk, pairs, d, decode, lim.num_device_blocks)
         # Each append takes a free block (a copied-from shared block keeps a reference).
-        free_dev = free0 - d["run_appends"]
+        free_dev = free0 - d.run_appends
     none = jnp.zeros((g,), bool)
     # `running` rejoins its own tail in walk order: all decodes, or all prefills (SPEC B8).
     queue_key = jnp.where(run, state.tail_key + q.pos - q.start[1], state.queue_key)
@@ -366,38 +393,55 @@ def _steady(state, now, cap: Capacity, free0, totals, order, allocate: bool):
         step=state.step + 1, prev_time=now, prev_admitted=False,
         last_prompt_latency=jnp.where(state.prev_admitted, now - state.prev_time,
                                       state.last_prompt_latency))
-    chunk = jnp.where(prefill, d["rest"], 1)
+    chunk = jnp.where(prefill, d.rest, 1)
     zero = jnp.zeros((g,), jnp.int32)
     out = SchedulerOutput.pack(
         slots=jnp.stack([run, jnp.where(run, chunk, 0), run & prefill,
-                         jnp.where(run, d["n_live"], 0), zero, zero, none, none]).astype(jnp.int32),
+                         jnp.where(run, d.n_live, 0), zero, zero, none, none]).astype(jnp.int32),
         pairs=pairs,
         counts=jnp.stack([jnp.int32(0), jnp.int32(0), num_copy, free_dev, host_free0]))
     return new_state, out
 
 
 def _general(state, now, cap: Capacity, free0, totals=None):
-    """Any step: the three walks, preemption, block placement, ignored groups, requeue."""
+    """Any step, as a path through named stages: derive, walk, preempt, place, commit."""
     lim = state.limits
     d = _derived(state, cap, _basics(state, cap, totals))
-    q = queues(state, d)
-    host_free0 = num_free(state.host_ref, lim.num_host_blocks)
-    g = state.status.shape[0]
-    any_wait, any_run, any_swap = (c > 0 for c in d["counts"])
+    q = queues(state, d.counts)
+    any_wait, any_run, any_swap = (c > 0 for c in d.counts)
     admission_runs = jnp.asarray(True) if cap.enable_chunked_prefill else ~any_swap
-    gate, latency, prev_time = _delay_gate(state, now, admission_runs, any_wait, any_run, d["is_wait"])
+    gate, latency, prev_time = _delay_gate(state, now, admission_runs, any_wait, any_run, d.is_wait)
     adm, ign_reason, swp, run = _walks(state, cap, d, q, free0, admission_runs, gate)
-    blk = Blocks(state.block_table, state.num_blocks, state.device_ref, state.host_ref)
-    pairs = no_pairs(cap)
+    host_free0 = num_free(state.host_ref, lim.num_host_blocks)
+    v, blk, host_table, pairs, num_swap_out, free_dev, free_host = _preempt(
+        state, cap, d, q, run, free0, host_free0)
+    fields = {n: getattr(state, n) for n in ("status", "queue_key", "prefill_done", "prefill_total",
+                                             "num_preemptions", "front_key", "tail_key",
+                                             "prompt_len", "seq_alive", "num_tokens")}
+    fields.update(preempted_fields(fields, v, cap.block_size))
+    blk, pairs, num_swap_in, num_copy, free_dev, free_host = _place(
+        state, cap, d, adm, swp, run, blk, pairs, host_table, free_dev, free_host)
+    new_state = _commit(state, d, q, adm, ign_reason, swp, run, fields, blk, host_table,
+                        admission_runs, prev_time, latency)
+    out = _output(d, adm, swp, run, v, pairs,
+                  jnp.stack([num_swap_out, num_swap_in, num_copy, free_dev, free_host]))
+    return new_state, out
 
-    # Preemption (rare): modes, device blocks freed, host blocks for swap victims.
+
+def _preempt(state, cap: Capacity, d: StepValues, q: Queues, run: Running, free0, host_free0):
+    """Preemption (rare): each victim's mode, its device blocks freed, host blocks for swaps.
+
+    Returns (victims, blocks, host_table, pairs, num_swap_out, free device, free host)."""
+    lim = state.limits
+    g = state.status.shape[0]
+
     def preempt(blk, pairs, host_table):
         run_w = q.walk(1)
         tokens = recompute_tokens(state.prompt_len, state.seq_alive, state.num_tokens, cap.block_size)
-        v = pick_modes(run.preempted_w, jnp.take(d["nmax"], run_w), jnp.take(d["held"], run_w),
+        v = pick_modes(run.preempted_w, jnp.take(d.nmax, run_w), jnp.take(d.held, run_w),
                        jnp.take(tokens, run_w), lim.preemption_mode, lim.costs, host_free0,
-                       lambda *xs: q.to_slots(1, d["is_run"], *xs))
-        blk, host_table, pairs, count = free_victims(blk, pairs, host_table, v, d["share"],
+                       lambda *xs: q.to_slots(1, d.is_run, *xs))
+        blk, host_table, pairs, count = free_victims(blk, pairs, host_table, v, d.share,
                                                      lim.num_host_blocks)
         return (v, blk, host_table, pairs, count, num_free(blk.device_ref, lim.num_device_blocks),
                 num_free(blk.host_ref, lim.num_host_blocks))
@@ -405,24 +449,28 @@ def _general(state, now, cap: Capacity, free0, totals=None):
     def no_preempt(blk, pairs, host_table):
         return no_victims(g), blk, host_table, pairs, jnp.int32(0), free0, host_free0
 
-    v, blk, host_table, pairs, num_swap_out, free_dev, free_host = lax.cond(
-        run.preempted.any(), preempt, no_preempt, blk, pairs, state.host_table)
-    fields = {n: getattr(state, n) for n in ("status", "queue_key", "prefill_done", "prefill_total",
-                                             "num_preemptions", "front_key", "tail_key",
-                                             "prompt_len", "seq_alive", "num_tokens")}
-    fields.update(preempted_fields(fields, v, cap.block_size))
+    blk = Blocks(state.block_table, state.num_blocks, state.device_ref, state.host_ref)
+    v, blk, host_table, pairs, count, free_dev, free_host = lax.cond(
+        run.preempted.any(), preempt, no_preempt, blk, no_pairs(cap), state.host_table)
     victims = v.recompute | v.swap
     blk = blk._replace(block_table=jnp.where(victims[:, None, None], 0, blk.block_table),
                        num_blocks=jnp.where(v.recompute[:, None], 0, blk.num_blocks))
+    return v, blk, host_table, pairs, count, free_dev, free_host
 
-    # Blocks for the scheduled groups (skipped when nothing needs one).
-    decoding = (run.served | swp.served) & ~d["in_prefill"]
-    appending = (d["need_new"] | d["cow"]).any(1) & decoding
+
+def _place(state, cap: Capacity, d: StepValues, adm, swp, run, blk, pairs, host_table, free_dev,
+           free_host):
+    """Blocks for the scheduled groups: admitted and swapped-in tables, appends and
+    copy-on-write (skipped when nothing needs one). Returns (blocks, pairs, num_swap_in,
+    num_copy, free device, free host)."""
+    lim = state.limits
+    decoding = (run.served | swp.served) & ~d.in_prefill
+    appending = (d.need_new | d.cow).any(1) & decoding
     moved = adm.served | swp.served | swp.skipped
 
     def place(blk, pairs, free_dev, free_host):
         blk, pairs, num_in, num_copy = placement.place(
-            blk, pairs, host_table, state.seq_alive, state.num_tokens, d, d["share"],
+            blk, pairs, host_table, state.seq_alive, state.num_tokens, d, d.share,
             adm.served, swp.served, run.served, swp.skipped, lim.num_device_blocks, cap.block_size)
         return (blk, pairs, num_in, num_copy, num_free(blk.device_ref, lim.num_device_blocks),
                 num_free(blk.host_ref, lim.num_host_blocks))
@@ -430,18 +478,20 @@ def _general(state, now, cap: Capacity, free0, totals=None):
     def no_place(blk, pairs, free_dev, free_host):
         return blk, pairs, jnp.int32(0), jnp.int32(0), free_dev, free_host
 
-    blk, pairs, num_swap_in, num_copy, free_dev, free_host = lax.cond(
-        moved.any() | appending.any(), place, no_place, blk, pairs, free_dev, free_host)
+    return lax.cond(moved.any() | appending.any(), place, no_place, blk, pairs, free_dev, free_host)
 
-    # Ignored groups finish now; swapped ones return their host blocks (SPEC B2).
+
+def _commit(state, d: StepValues, q: Queues, adm, ign_reason, swp, run, fields, blk, host_table,
+            admission_runs, prev_time, latency) -> SchedulerState:
+    """The new state: queues and keys, ignored groups finished (swapped ones return their
+    host blocks, SPEC B2), the tables and pools, the delay gate's clock."""
     ignored = adm.skipped | swp.skipped
     alive = state.seq_alive
-    scheduled = adm.served | swp.served | run.served
-    prefill = d["in_prefill"]
+    prefill = d.in_prefill
     queue_key, tail_key = requeue(q, fields["queue_key"], fields["tail_key"],
                                    [adm.served, run.served & ~prefill, run.served & prefill,
                                     swp.served & ~prefill, swp.served & prefill])
-    new_state = state.replace(
+    return state.replace(
         status=jnp.where(ignored, FINISHED,
                          jnp.where(adm.served | swp.served, RUNNING, fields["status"])),
         finish_reason=jnp.where(ignored, IGNORED, state.finish_reason),
@@ -462,19 +512,22 @@ def _general(state, now, cap: Capacity, free0, totals=None):
         artificial_count=run.count,
     )
 
+
+def _output(d: StepValues, adm, swp, run, v, pairs, counts) -> SchedulerOutput:
+    """What the step decided, per slot, for the engine and the cache kernels."""
+    prefill = d.in_prefill
+    scheduled = adm.served | swp.served | run.served
     swp_chunk = jnp.where(prefill, swp.chunk, 1)      # a decode reports 1 token
     chunk = jnp.where(adm.served, adm.chunk, jnp.where(swp.served, swp_chunk, run.chunk))
     is_prefill = adm.served | ((swp.served | run.served) & prefill)
-    out = SchedulerOutput.pack(
+    victims = v.recompute | v.swap
+    return SchedulerOutput.pack(
         slots=jnp.stack([scheduled, jnp.where(scheduled, chunk, 0), is_prefill & scheduled,
-                         jnp.where(scheduled, d["n_live"], 0),
-                         jnp.where(v.recompute, 1, jnp.where(v.swap, 2, 0)),
-                         jnp.where(victims, run.preempt_order, 0), swp.served, ignored]
+                         jnp.where(scheduled, d.n_live, 0),
+                         jnp.where(v.recompute, PREEMPT_RECOMPUTE, jnp.where(v.swap, PREEMPT_SWAP, 0)),
+                         jnp.where(victims, run.preempt_order, 0), swp.served, adm.skipped | swp.skipped]
                         ).astype(jnp.int32),
-        pairs=pairs,
-        counts=jnp.stack([num_swap_out, num_swap_in, num_copy, free_dev, free_host]),
-    )
-    return new_state, out
+        pairs=pairs, counts=counts)
 
 
 schedule_step = jax.jit(schedule_impl, static_argnames=("cap",))
@@ -483,4 +536,4 @@ schedule_step = jax.jit(schedule_impl, static_argnames=("cap",))
 def schedule(state: SchedulerState, config: SchedulerConfig | Capacity, now) -> tuple[SchedulerState, SchedulerOutput]:
     """One scheduler step at time `now` (seconds). Pure; compiled once per capacity."""
     cap = config.capacity() if isinstance(config, SchedulerConfig) else config
-    return schedule_step(state, now, cap=cap)
+    return schedule_step(state, cap, now)

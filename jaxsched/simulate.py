@@ -40,7 +40,7 @@ def replay_step(state, batch: RequestBatch, now, cap: Capacity, record, check: b
     are evaluated after `schedule` and after `update`. Returns (state, record, flags).
     """
     state, slots = add_requests(state, batch)
-    state, out = schedule_step(state, now, cap=cap)
+    state, out = schedule_step(state, cap, now)
     flags = invariant_violations(state, out) if check else jnp.zeros((len(CHECKS),), bool)
     state, _, _ = update(state, out.scheduled, out.num_scheduled_tokens, out.is_prefill)
     if check:

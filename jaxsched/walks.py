@@ -236,18 +236,19 @@ def _sort_keys(state: SchedulerState, slots):
     return queue, arrival, jnp.where(queue < 3, jnp.take(state.queue_key, slots), 0), slots
 
 
-def queues(state: SchedulerState, d, cached=None) -> Queues:
+def queues(state: SchedulerState, counts: jax.Array, cached=None) -> Queues:
     """Sort slots by (queue, arrival for running/swapped, queue_key, slot), unless the
     order cached in the state still is sorted (the common case: a steady step keeps it).
-    `cached` is an order known to be sorted."""
-    g = d["is_run"].shape[0]
+    `counts` is int32[3], the sizes of waiting, running and swapped; `cached` is an order
+    known to be sorted."""
+    g = state.status.shape[-1]
     idx = jnp.arange(g, dtype=jnp.int32)
     if cached is None:
         cached, fresh = order_is_cached(state)
         cached = lax.cond(fresh, lambda: cached,
                           lambda: lax.sort(_sort_keys(state, idx), num_keys=4)[-1])
     pos = jnp.zeros((g,), jnp.int32).at[cached].set(idx)
-    count = d["counts"]
+    count = counts
     return Queues(cached, pos, (jnp.int32(0), count[0], count[0] + count[1]), tuple(count))
 
 

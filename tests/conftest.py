@@ -68,7 +68,7 @@ def drive(config: SchedulerConfig, requests: list[dict], *, step_time: float = 1
                 for i in by_step.get(step, [])]
         for k in range(0, len(rows), batch_size):
             state, _ = add_requests(state, make_batch(rows[k:k + batch_size], batch_size))
-        state, out = schedule_step(state, step * step_time, cap=cap)
+        state, out = schedule_step(state, cap, step * step_time)
         if check:
             check_invariants(state, config, out)
         state, _, _ = update(state, out.scheduled, out.num_scheduled_tokens, out.is_prefill)

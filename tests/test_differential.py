@@ -6,13 +6,21 @@ checks `check_invariants` after every step on device.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 from collections import Counter
+
+import jax
+import jax.numpy as jnp
+import numpy as np
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxsched import simulate
+from jaxsched import add_requests, free_finished, init_state, make_batch, parse_trace, simulate, update
+from jaxsched.scheduler import schedule_impl
+from jaxsched.state import FINISHED
 from conftest import TEST_CAPACITY
 from jaxsched.reference import simulate_reference
 
@@ -199,3 +207,40 @@ def test_differential__strategies_reach_every_event():
         collect()
     for event in ("recompute", "swap", "swapped_in", "ignored", "ignored_swapped", "forked"):
         assert seen[event] > 0, event
+
+
+# The steady-decode shortcut must make the general step's decisions exactly: both from the
+# same state at every step of a replay (the same state goes on either way).
+@functools.partial(jax.jit, static_argnames=("cap",))
+def _both_paths(state, cap, now):
+    return (schedule_impl(state, cap, now, steady_path=True),
+            schedule_impl(state, cap, now, steady_path=False))
+
+
+def _replay_both_paths(trace) -> int:
+    parsed = parse_trace(trace)
+    config = dataclasses.replace(parsed.scheduler_config, **TEST_CAPACITY)
+    cap = config.capacity()
+    arrivals = parsed.arrivals_by_step()
+    state, finished, steps = init_state(config), 0, 0
+    while finished < len(parsed.requests):
+        assert steps < parsed.max_steps
+        rows = [dict(request_index=i, prompt_len=parsed.requests[i]["prompt_len"],
+                     n=parsed.requests[i]["n"], max_tokens=parsed.requests[i]["max_tokens"],
+                     arrival_time=steps * parsed.step_time) for i in arrivals.get(steps, [])]
+        for k in range(0, len(rows), 8):
+            state, _ = add_requests(state, make_batch(rows[k:k + 8], 8))
+        (fast, fast_out), (slow, slow_out) = _both_paths(state, cap, jnp.float32(steps * parsed.step_time))
+        for a, b in zip(jax.tree.leaves((fast, fast_out)), jax.tree.leaves((slow, slow_out))):
+            np.testing.assert_array_equal(a, b, err_msg=f"step {steps}")
+        state, _, _ = update(slow, slow_out.scheduled, slow_out.num_scheduled_tokens, slow_out.is_prefill)
+        finished += int((np.asarray(state.status) == FINISHED).sum())
+        state, _ = free_finished(state)
+        steps += 1
+    return steps
+
+
+@settings(max_examples=25, **SETTINGS)
+@given(st.booleans().flatmap(lambda chunked: traces(chunked=chunked)))
+def test_steady_path__makes_the_general_steps_decisions(trace):
+    _replay_both_paths(trace)

@@ -1,0 +1,76 @@
+"""The block pool's primitives against plain numpy, on random inputs."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from jaxsched import block_pool as bp
+
+
+@settings(max_examples=60, deadline=None)
+@given(hnp.arrays(np.int32, st.tuples(st.integers(1, 3), st.integers(1, 300)),
+                  elements=st.integers(-1000, 1000)), st.booleans())
+def test_cumsum__equals_numpy_with_and_without_the_float_bound(x, bounded):
+    bound = int(np.abs(x).sum()) + 1 if bounded else None
+    np.testing.assert_array_equal(bp.cumsum(jnp.asarray(x), axis=1, bound=bound), np.cumsum(x, axis=1))
+    np.testing.assert_array_equal(bp.exclusive_cumsum(jnp.asarray(x), axis=1, bound=bound),
+                                  np.cumsum(x, axis=1) - x)
+
+
+@settings(max_examples=60, deadline=None)
+@given(hnp.arrays(np.int32, st.integers(2, 200), elements=st.integers(0, 3)), st.integers(0, 250))
+def test_free_list__lowest_free_active_blocks_first_padded_out_of_range(ref, active):
+    ref[0] = 0                                   # the null block is never free anyway
+    got = np.asarray(bp.free_list(jnp.asarray(ref), jnp.int32(active)))
+    ids = np.arange(len(ref))
+    free = ids[(ref == 0) & (ids >= 1) & (ids <= active)]
+    assert int(bp.num_free(jnp.asarray(ref), jnp.int32(active))) == len(free)
+    np.testing.assert_array_equal(got[:len(free)], free)
+    assert (got[len(free):] == len(ref)).all()
+
+
+def test_mask_rank_and_take_ranked():
+    rng = np.random.default_rng(0)
+    mask = rng.random((4, 3, 5)) < 0.4
+    rank = np.asarray(bp.mask_rank(jnp.asarray(mask)))
+    np.testing.assert_array_equal(rank.reshape(-1)[mask.reshape(-1)], np.arange(mask.sum()))
+    blocks = jnp.arange(100, 100 + mask.size, dtype=jnp.int32)
+    taken = np.asarray(bp.take_ranked(blocks, jnp.asarray(rank), jnp.asarray(mask)))
+    assert (taken[~mask] == 0).all() and (taken[mask] == 100 + np.arange(mask.sum())).all()
+
+
+def test_first_holder__lowest_sequence_with_the_same_block_at_that_position():
+    rng = np.random.default_rng(1)
+    g, s, m = 6, 4, 5
+    table = rng.integers(1, 4, (g, s, m)).astype(np.int32)
+    valid = rng.random((g, s, m)) < 0.8
+    holder, is_first = map(np.asarray, bp.first_holder(jnp.asarray(table), jnp.asarray(valid)))
+    for gi in range(g):
+        for si in range(s):
+            for mi in range(m):
+                same = [o for o in range(si) if valid[gi, o, mi] and valid[gi, si, mi]
+                        and table[gi, o, mi] == table[gi, si, mi]]
+                assert holder[gi, si, mi] == (same[0] if same else si)
+    assert (is_first == (holder == np.arange(s)[None, :, None])).all()
+
+
+def test_add_refs_and_write_pairs__masked_entries_only_and_padding_dropped():
+    ref = jnp.zeros(8, jnp.int32)
+    table = jnp.asarray([[1, 2, 2], [3, 0, 7]], jnp.int32)
+    mask = jnp.asarray([[True, True, False], [True, False, True]])
+    np.testing.assert_array_equal(bp.add_refs(ref, table, mask, 2), [0, 2, 2, 2, 0, 0, 0, 2])
+    pairs = jnp.full((2, 4, 2), 99, jnp.int32)
+    out, count = bp.write_pairs(pairs, 1, table, table + 10, mask)
+    assert int(count) == 4
+    np.testing.assert_array_equal(out[1], [[1, 11], [2, 12], [3, 13], [7, 17]])
+    assert (np.asarray(out[0]) == 99).all()
+
+
+@pytest.mark.parametrize("default", [7, -3])
+def test_first_true(default):
+    assert int(bp.first_true(jnp.asarray([False, True, True]), default)) == 1
+    assert int(bp.first_true(jnp.zeros(4, bool), default)) == default

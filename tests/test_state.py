@@ -1,0 +1,74 @@
+"""The state's packing: every field round-trips through storage, in one leaf and in three."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxsched import SchedulerConfig, init_state
+from jaxsched.state import (FIELDS, LIMIT_FIELDS, ONE_LEAF_BYTES, SchedulerOutput, SchedulerState,
+                            Status, layout)
+
+
+def _random_value(field, shape, rng):
+    if field.kind == "float32":
+        return jnp.asarray(rng.normal(size=shape).astype(np.float32))
+    if field.kind == "bool":
+        return jnp.asarray(rng.random(shape) < 0.5)
+    if field.kind == "uint32":
+        return jnp.asarray(rng.integers(0, 2**32, size=shape, dtype=np.uint64).astype(np.uint32))
+    return jnp.asarray(rng.integers(-2**31, 2**31, size=shape, dtype=np.int64).astype(np.int32))
+
+
+@pytest.mark.parametrize("slots", [4, 1024])
+def test_state__every_field_round_trips_and_replace_touches_only_its_fields(slots):
+    config = SchedulerConfig(num_slots=slots, max_model_len=256, num_device_blocks=64)
+    state = init_state(config)
+    lay = layout(state.dims)
+    assert len(state.data) == (3 if 4 * sum(lay["sizes"]) > ONE_LEAF_BYTES else 1) == len(lay["sizes"])
+    rng = np.random.default_rng(slots)
+    values = {f.name: _random_value(f, lay[f.name][2], rng) for f in FIELDS}
+    new = state.replace(**values)
+    for f in FIELDS:
+        np.testing.assert_array_equal(new.get(f.name), values[f.name], err_msg=f.name)
+    # Typed accessors read the same; limits come back as a Limits.
+    np.testing.assert_array_equal(new.status, values["status"])
+    assert set(new.limits.__dataclass_fields__) == set(LIMIT_FIELDS)
+    one = new.replace(n=jnp.zeros_like(values["n"]))
+    for f in FIELDS:
+        expect = np.zeros_like(values["n"]) if f.name == "n" else values[f.name]
+        np.testing.assert_array_equal(one.get(f.name), expect, err_msg=f.name)
+    # Packing from fields gives the same storage.
+    fields = {k: v for k, v in values.items() if k not in LIMIT_FIELDS}
+    packed = SchedulerState.from_fields(**fields, limits=new.limits)
+    for a, b in zip(packed.data, new.data):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(TypeError, match="unknown fields"):
+        state.replace(bogus=1)
+
+
+def test_state__is_a_pytree_whose_dims_are_static_and_docs_name_every_field():
+    state = init_state(SchedulerConfig(num_device_blocks=8))
+    leaves, tree = jax.tree.flatten(state)
+    assert jax.tree.unflatten(tree, leaves).dims == state.dims
+    assert all(f.name in SchedulerState.__doc__ for f in FIELDS if f.name not in LIMIT_FIELDS)
+    text = repr(state)
+    assert "device_blocks=8" in text and "waiting=0" in text
+    assert int((np.asarray(state.status) == Status.EMPTY).sum()) == state.dims[0]
+    assert set(state.as_dict()) >= {"status", "block_table", "limits"}
+
+
+def test_output__fields_round_trip():
+    g, p = 5, 3
+    rng = np.random.default_rng(0)
+    fields = {}
+    for name in SchedulerOutput._fields:
+        f = getattr(SchedulerOutput, name)
+        shape = {"slots": (g,), "pairs": (p, 2), "counts": ()}[f.region]
+        fields[name] = jnp.asarray(rng.random(shape) < 0.5) if f.kind == "bool" else \
+            jnp.asarray(rng.integers(0, 100, shape).astype(np.int32))
+    out = SchedulerOutput.from_fields(**fields)
+    assert out.dims == (g, p)
+    for name, value in fields.items():
+        np.testing.assert_array_equal(getattr(out, name), value, err_msg=name)
