@@ -53,6 +53,7 @@ class _Request:
     text: list[str]
     finished: bool = False
     message: Optional[str] = None
+    text_stopped: set = dataclasses.field(default_factory=set)   # sequences cut at a stop string
 
     def output(self) -> RequestOutput:
         outs = []
@@ -234,6 +235,8 @@ class LLM:
         elif not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params: must be a SamplingParams, got {type(params).__name__}")
         params.validate(self.config.max_num_seqs, self.config.max_seqs_per_group)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("SamplingParams.stop: stop strings need a tokenizer; use stop_token_ids")
         text, ids = self._encode(prompt, field)
         return text, ids, params
 
@@ -308,7 +311,8 @@ class LLM:
         req.reasons = [req.reasons[i] or reasons[i] for i in range(req.params.n)]
         req.message = message
         for i, d in enumerate(req.detok):
-            req.text[i] += d.flush()
+            if i not in req.text_stopped:            # cut at a stop string: nothing follows
+                req.text[i] += d.flush()
 
     # -------------------------------------------------------------- stepping
     def _new_requests(self) -> tuple[NewRequests, list[int]]:
@@ -320,7 +324,8 @@ class LLM:
         arr = {k: np.zeros(rows, dt) for k, dt in (("prompt_len", np.int32), ("n", np.int32),
                ("max_tokens", np.int32), ("request_index", np.int32), ("top_k", np.int32),
                ("min_tokens", np.int32), ("temperature", np.float32), ("top_p", np.float32),
-               ("min_p", np.float32), ("arrival_time", np.float32))}
+               ("min_p", np.float32), ("arrival_time", np.float32), ("presence_penalty", np.float32),
+               ("frequency_penalty", np.float32), ("repetition_penalty", np.float32))}
         valid = np.zeros(rows, bool)
         ignore_eos = np.zeros(rows, bool)
         prompts = np.zeros((rows, plen), np.int32)
@@ -334,7 +339,9 @@ class LLM:
             for k, v in (("prompt_len", len(req.prompt_ids)), ("n", p.n), ("max_tokens", p.max_tokens),
                          ("request_index", idx), ("top_k", max(p.top_k, 0)), ("min_tokens", p.min_tokens),
                          ("temperature", p.temperature), ("top_p", p.top_p), ("min_p", p.min_p),
-                         ("arrival_time", now)):
+                         ("arrival_time", now), ("presence_penalty", p.presence_penalty),
+                         ("frequency_penalty", p.frequency_penalty),
+                         ("repetition_penalty", p.repetition_penalty)):
                 arr[k][r] = v
             ignore_eos[r] = p.ignore_eos
             stops[r, :len(p.stop_token_ids)] = p.stop_token_ids
@@ -347,7 +354,10 @@ class LLM:
         sampling = SamplingRows(temperature=jnp.asarray(arr["temperature"]), top_k=jnp.asarray(arr["top_k"]),
                                 top_p=jnp.asarray(arr["top_p"]), min_p=jnp.asarray(arr["min_p"]),
                                 key=jnp.asarray(keys), min_tokens=jnp.asarray(arr["min_tokens"]),
-                                ignore_eos=jnp.asarray(ignore_eos), stop_token_ids=jnp.asarray(stops))
+                                ignore_eos=jnp.asarray(ignore_eos), stop_token_ids=jnp.asarray(stops),
+                                presence_penalty=jnp.asarray(arr["presence_penalty"]),
+                                frequency_penalty=jnp.asarray(arr["frequency_penalty"]),
+                                repetition_penalty=jnp.asarray(arr["repetition_penalty"]))
         self._active += len(take)
         return NewRequests(batch=batch, prompt_tokens=jnp.asarray(prompts), sampling=sampling), take
 
@@ -381,20 +391,34 @@ class LLM:
         if st["steps"] == 1:
             self._first_tokens = int(out.has_token.sum())
         for slot in np.nonzero(out.has_token.any(1) | out.finished)[0]:
-            req = self._requests[int(out.request_index[slot])]
+            req = self._requests.get(int(out.request_index[slot]))
+            if req is None or req.finished:
+                # Finished on the host at a stop string (and maybe released): the engine
+                # reports its aborted slot once, freed now.
+                self._active -= bool(out.finished[slot])
+                continue
             for i in np.nonzero(out.has_token[slot])[0]:
-                if i >= req.params.n:
+                if i >= req.params.n or i in req.text_stopped:
                     continue
                 tok = int(out.new_token[slot, i])
                 req.tokens[i].append(tok)
                 req.logprobs[i].append(float(out.logprob[slot, i]))
                 st["output_tokens"] += 1
                 if req.detok:
+                    before = len(req.text[i])
                     req.text[i] += req.detok[i].step(tok)
+                    if req.params.stop and len(req.tokens[i]) >= req.params.min_tokens:
+                        self._cut_at_stop(req, i, before)
                 reason = FINISH.get(int(out.seq_finish_reason[slot, i]))
-                if reason:
+                if reason and i not in req.text_stopped:
                     req.reasons[i] = reason
-            if out.finished[slot]:
+            if not out.finished[slot] and req.text_stopped and all(req.reasons):
+                # Every sequence met a stop string: finish now, free the slot's blocks.
+                self._finish(req, req.reasons)
+                sched = self.state.sched
+                self.state = self.state.replace(sched=abort_slots(
+                    sched, (sched.request_index == req.index) & (sched.status != Status.EMPTY)))
+            elif out.finished[slot]:
                 self._active -= 1
                 reasons = [FINISH.get(int(out.seq_finish_reason[slot, i]), FINISH.get(int(out.finish_reason[slot])))
                            for i in range(req.params.n)]
@@ -405,6 +429,17 @@ class LLM:
                 self._finish(req, reasons, message)
             changed.append(req.output())
         return changed
+
+    @staticmethod
+    def _cut_at_stop(req: _Request, i: int, before: int) -> None:
+        """vLLM's stop strings: the text ends before the first one (searched from the new text)."""
+        text = req.text[i]
+        hits = [k for s in req.params.stop
+                if (k := text.find(s, max(0, before - len(s) + 1))) != -1]
+        if hits:
+            req.text[i] = text[:min(hits)]
+            req.reasons[i] = "stop"
+            req.text_stopped.add(i)
 
     # -------------------------------------------------------------- front ends
     def _submit(self, prompts, sampling_params) -> list[str]:

@@ -38,12 +38,20 @@ class SamplingParams:
     max_tokens: int = 16
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()              # stop strings, matched on the host in the text
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     logprobs: Optional[int] = None
 
     def __post_init__(self):
         if isinstance(self.stop_token_ids, list):
             self.stop_token_ids = tuple(self.stop_token_ids)
+        if isinstance(self.stop, str):
+            self.stop = (self.stop,)
+        elif isinstance(self.stop, list):
+            self.stop = tuple(self.stop)
         self.validate()
 
     def validate(self, max_num_seqs: Optional[int] = None, max_seqs_per_group: Optional[int] = None,
@@ -71,6 +79,14 @@ class SamplingParams:
             _bad("stop_token_ids", f"must be a list of integers >= 0, got {self.stop_token_ids!r}")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             _bad("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
+        if not isinstance(self.stop, tuple) or any(not isinstance(x, str) or not x for x in self.stop):
+            _bad("stop", f"must be a string or a list of non-empty strings, got {self.stop!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2 <= value <= 2:
+                _bad(name, f"must be a number in [-2, 2], got {value!r}")
+        if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty <= 2:
+            _bad("repetition_penalty", f"must be a number in (0, 2], got {self.repetition_penalty!r}")
         if not isinstance(self.ignore_eos, bool):
             _bad("ignore_eos", f"must be True or False, got {self.ignore_eos!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs not in (0, 1)):

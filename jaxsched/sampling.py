@@ -276,3 +276,34 @@ def sample_slots(arrays: SamplingArrays, engine_key: jax.Array, slot: jax.Array,
     keys = jax.vmap(token_key)(base, seq_index, position)
     return sample(logits, rows.temperature, rows.top_k, rows.top_p, rows.min_p, keys,
                   want_logprobs)
+
+
+def apply_penalties(logits: jax.Array, prompt_tokens: jax.Array, seq_tokens: jax.Array,
+                    prompt_len: jax.Array, seq_len: jax.Array, presence: jax.Array,
+                    frequency: jax.Array, repetition: jax.Array) -> jax.Array:
+    """vLLM V0's `_apply_penalties` on raw logits [R, V], before temperature and the filters.
+
+    Repetition (CTRL's: positive logits / r, negative * r) applies to every token seen in the
+    prompt or the output; then frequency (* count) and presence (* seen) are subtracted for
+    output tokens. The counts are made here from the sequences' own token buffers
+    (`prompt_tokens`, `seq_tokens`: int32[R, L]; positions < prompt_len are the prompt, the
+    rest up to seq_len the output), so the engine keeps no extra per-vocabulary state and a new
+    penalty value is only new array contents: it never recompiles. Rows with all three off
+    are unchanged, and a batch with none on skips the [R, V] work.
+    """
+    def penalize(logits):
+        r, v = logits.shape
+        rows = jnp.arange(r)[:, None]
+        idx = jnp.arange(seq_tokens.shape[1])[None, :]
+        in_prompt = idx < prompt_len[:, None]
+        in_output = ~in_prompt & (idx < seq_len[:, None])
+        counts = jnp.zeros((r, v), jnp.float32).at[rows, seq_tokens].add(in_output.astype(jnp.float32))
+        seen = (jnp.zeros((r, v), jnp.int32).at[rows, prompt_tokens].max(in_prompt.astype(jnp.int32)) > 0
+                ) | (counts > 0)
+        rep = repetition[:, None]
+        logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+        return logits - frequency[:, None] * counts - presence[:, None] * (counts > 0)
+
+    logits = logits.astype(jnp.float32)
+    active = jnp.any((presence != 0) | (frequency != 0) | (repetition != 1))
+    return jax.lax.cond(active, penalize, lambda x: x, logits)
