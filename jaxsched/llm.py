@@ -300,6 +300,23 @@ class LLM:
             return any(r.has_unfinished() for r in self._replicas)
         return any(not r.finished for r in self._requests.values())
 
+    def num_queued(self) -> int:
+        """Requests added but not yet handed to the engine (the host-side waiting queue)."""
+        if self._replicas:
+            return sum(r.num_queued() for r in self._replicas)
+        return len(self._queue)
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request, so a long-running server's memory stays bounded."""
+        if self._replicas:
+            owner = self._owner.pop(request_id, None)
+            if owner is not None:
+                owner.release(request_id)
+            return
+        idx = self._by_id.get(request_id)
+        if idx is not None and self._requests[idx].finished:
+            del self._by_id[request_id], self._requests[idx]
+
     def output(self, request_id: str) -> RequestOutput:
         """The request's output so far."""
         if self._replicas:

@@ -1,0 +1,412 @@
+"""`jaxsched serve`: an OpenAI-compatible HTTP server over one engine loop (FastAPI + uvicorn).
+
+    jaxsched serve --port 8000            # the embedded SmolLM2-135M-Instruct
+    curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
+         -d '{"model": "smollm2-135m", "prompt": "Hello", "max_tokens": 16}'
+
+Routes as `vllm serve`'s: POST /v1/completions, POST /v1/chat/completions (streaming as
+server-sent events ending in `data: [DONE]`), GET /v1/models, GET /health, GET /metrics
+(Prometheus, vLLM's metric names). Every request joins the running batch at the next engine
+step; a client that disconnects is aborted and its blocks freed at once.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import re
+import sys
+import time
+import uuid
+from typing import Optional
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
+
+from jaxsched.entrypoints.async_engine import AsyncEngine, QueueFull
+from jaxsched.entrypoints.metrics import Metrics
+from jaxsched.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, error_body
+
+DEFAULT_MODEL_NAME = "smollm2-135m"
+# A serving engine's defaults: room for 16 running sequences and a 1024-token context.
+SERVE_ENGINE = dict(num_device_blocks=512, num_host_blocks=512, block_size=16, max_num_seqs=16,
+                    max_num_batched_tokens=256, max_model_len=1024)
+MAX_BODY_BYTES = 1 << 20
+
+
+class ApiError(Exception):
+    """Answered as OpenAI's error JSON with this status."""
+
+    def __init__(self, message: str, param: Optional[str] = None, status: int = 400,
+                 kind: str = "BadRequestError"):
+        super().__init__(message)
+        self.message, self.param, self.status, self.kind = message, param, status, kind
+
+
+def _field_of(message: str) -> Optional[str]:
+    """The field a SamplingParams / LLM error names ("SamplingParams.top_p: ..." -> top_p)."""
+    m = re.match(r"(?:SamplingParams\.)?([a-z_]+)[:\[ ]", message)
+    return m.group(1) if m else None
+
+
+async def _read_json(request: Request, model, limit: int):
+    """The body as `model`: its size, UTF-8, JSON and fields checked, each with its own 400."""
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise ApiError(f"request body: {declared} bytes, more than the limit of {limit} bytes", "body")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise ApiError(f"request body: more than the limit of {limit} bytes", "body")
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ApiError(f"request body: not valid UTF-8 (byte {e.start})", "body") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ApiError(f"request body: malformed JSON: {e}", "body") from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(str(p) for p in err["loc"]) or "body"
+        raise ApiError(f"{field}: {err['msg']} (got {err.get('input')!r:.80})", field) from None
+
+
+class OpenAIServer:
+    """The routes' logic over one AsyncEngine; `app` is the FastAPI application."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str, api_key: Optional[str] = None,
+                 max_body_bytes: int = MAX_BODY_BYTES):
+        self.engine, self.llm = engine, engine.llm
+        self.model_name, self.api_key, self.max_body_bytes = model_name, api_key, max_body_bytes
+        self.created = int(time.time())
+        self.app = self._build()
+
+    # ------------------------------------------------------------ app
+    def _build(self) -> FastAPI:
+        @contextlib.asynccontextmanager
+        async def lifespan(app):
+            self.engine.start()
+            yield
+            await asyncio.to_thread(self.engine.stop)
+
+        app = FastAPI(title="jaxsched", lifespan=lifespan)
+
+        @app.exception_handler(ApiError)
+        async def api_error(request, exc: ApiError):
+            return JSONResponse(error_body(exc.message, exc.param, exc.kind, exc.status), exc.status)
+
+        @app.middleware("http")
+        async def auth(request: Request, call_next):
+            # As `vllm serve --api-key`: every /v1 route needs the bearer token.
+            if self.api_key and request.url.path.startswith("/v1"):
+                if request.headers.get("authorization") != f"Bearer {self.api_key}":
+                    return JSONResponse(error_body("Unauthorized: a valid 'Authorization: Bearer' "
+                                                   "API key is required", None,
+                                                   "AuthenticationError", 401), 401)
+            return await call_next(request)
+
+        @app.get("/health")
+        async def health():
+            return Response(status_code=200 if self.engine.healthy else 503)
+
+        @app.get("/metrics")
+        async def metrics():
+            return Response(generate_latest(self.engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+        @app.get("/v1/models")
+        async def models():
+            return {"object": "list", "data": [{
+                "id": self.model_name, "object": "model", "created": self.created,
+                "owned_by": "jaxsched", "root": self.model_name,
+                "max_model_len": self.llm.config.max_model_len}]}
+
+        @app.post("/v1/completions")
+        async def completions(request: Request):
+            req = await _read_json(request, CompletionRequest, self.max_body_bytes)
+            self._check_model(req.model)
+            prompt = req.prompt
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+                if len(prompt) != 1:
+                    raise ApiError("prompt: a list of several prompts is not supported; "
+                                   "send one prompt per request", "prompt")
+                prompt = prompt[0]
+            if isinstance(prompt, str):
+                ids = self._tokenizer().encode(prompt)
+            else:
+                ids = list(prompt)
+            params = self._params(req, ids, "prompt", req.max_tokens or 16, req.logprobs)
+            return await self._serve(request, req, ids, params, chat=False)
+
+        @app.post("/v1/chat/completions")
+        async def chat_completions(request: Request):
+            req = await _read_json(request, ChatCompletionRequest, self.max_body_bytes)
+            self._check_model(req.model)
+            tok = self._tokenizer()
+            if not tok.chat_template:
+                raise ApiError("messages: the model has no chat template", "messages")
+            text = tok.apply_chat_template([m.model_dump() for m in req.messages],
+                                           add_generation_prompt=req.add_generation_prompt)
+            ids = tok.encode(text, add_special_tokens=False)
+            logprobs = (req.top_logprobs or 0) if req.logprobs else None
+            max_tokens = req.max_tokens or max(self.llm.config.max_model_len - len(ids), 1)
+            params = self._params(req, ids, "messages", max_tokens, logprobs)
+            return await self._serve(request, req, ids, params, chat=True)
+
+        return app
+
+    # ------------------------------------------------------------ checks
+    def _tokenizer(self):
+        if self.llm.tokenizer is None:
+            raise ApiError("prompt: this model has no tokenizer; send token ids", "prompt")
+        return self.llm.tokenizer
+
+    def _check_model(self, model: Optional[str]) -> None:
+        if model is not None and model != self.model_name:
+            raise ApiError(f"model: the model `{model}` does not exist; this server serves "
+                           f"`{self.model_name}`", "model", kind="NotFoundError")
+
+    def _params(self, req, ids: list[int], field: str, max_tokens: int, logprobs):
+        """SamplingParams for a request, with the engine's limits (vLLM's messages)."""
+        cfg = self.llm.config
+        if not ids:
+            raise ApiError(f"{field}: must have at least one token", field)
+        vocab = self.llm.model_config.vocab_size
+        if any(t < 0 or t >= vocab for t in ids):
+            raise ApiError(f"{field}: token ids must be in [0, vocab_size={vocab})", field)
+        if len(ids) > cfg.max_model_len:
+            raise ApiError(f"{field}: {len(ids)} tokens, more than this model's maximum context "
+                           f"length max_model_len={cfg.max_model_len}", field)
+        if max_tokens > cfg.max_model_len:
+            raise ApiError(f"max_tokens: {max_tokens} exceeds max_model_len={cfg.max_model_len}",
+                           "max_tokens")
+        if len(ids) + max_tokens > cfg.max_model_len:
+            raise ApiError(f"max_tokens: this model's maximum context length is {cfg.max_model_len} "
+                           f"tokens; you requested {len(ids) + max_tokens} ({len(ids)} in the {field}, "
+                           f"{max_tokens} in the completion)", "max_tokens")
+        if req.n > cfg.max_num_seqs:
+            raise ApiError(f"n: {req.n} exceeds max_num_seqs={cfg.max_num_seqs}", "n")
+        try:
+            params = req.sampling_params(max_tokens, logprobs)
+            params.validate(cfg.max_num_seqs, cfg.max_seqs_per_group)
+        except (ValueError, TypeError) as e:
+            raise ApiError(str(e), _field_of(str(e))) from None
+        return params
+
+    # ------------------------------------------------------------ serving
+    async def _serve(self, request: Request, req, ids, params, chat: bool):
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        try:
+            outputs = await self.engine.add(rid, ids, params)
+        except QueueFull as e:
+            raise ApiError(str(e), None, 503, "ServiceUnavailableError") from None
+        except ValueError as e:
+            raise ApiError(str(e), _field_of(str(e))) from None
+        shape = _Shape(self, rid, chat, len(ids), params, req)
+        if req.stream:
+            usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(self._stream(rid, outputs, shape, usage),
+                                     media_type="text/event-stream")
+        while True:
+            try:
+                out = await asyncio.wait_for(outputs.get(), 1.0)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    self.engine.abort(rid)
+                    return Response(status_code=499)
+                continue
+            if isinstance(out, BaseException):
+                raise ApiError(f"the engine failed: {out}", None, 500, "InternalServerError")
+            if out.finished:
+                return shape.full(out)
+
+    async def _stream(self, rid, outputs: asyncio.Queue, shape: "_Shape", usage: bool):
+        finished = False
+        try:
+            if shape.chat:
+                yield _sse(shape.chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                         "logprobs": None, "finish_reason": None}
+                                        for i in range(shape.params.n)]))
+            while not finished:
+                out = await outputs.get()
+                if isinstance(out, BaseException):
+                    yield _sse(error_body(f"the engine failed: {out}", None, "InternalServerError", 500))
+                    break
+                finished = out.finished
+                choices = shape.deltas(out)
+                if choices:
+                    yield _sse(shape.chunk(choices))
+            if usage and finished:
+                yield _sse(shape.chunk([], usage=shape.usage(out)))
+            yield "data: [DONE]\n\n"
+        finally:
+            # The client went away mid-stream (the task is cancelled here): stop its request now.
+            if not finished:
+                self.engine.abort(rid)
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class _Shape:
+    """One request's responses in OpenAI's formats, whole or as stream chunks."""
+
+    def __init__(self, server: OpenAIServer, rid: str, chat: bool, prompt_len: int, params, req):
+        self.server, self.rid, self.chat, self.prompt_len, self.params = server, rid, chat, prompt_len, params
+        self.created = int(time.time())
+        self.tok = server.llm.tokenizer
+        # A stop string may arrive over several tokens: hold back that many characters of
+        # text until the sequence finishes, so no part of a stop string is ever streamed.
+        self.hold = max((len(s) for s in req.stop_strings()), default=1) - 1
+        self.sent_text = [""] * params.n
+        self.sent_tokens = [0] * params.n
+        self.done = [False] * params.n
+
+    def chunk(self, choices, usage=None) -> dict:
+        body = {"id": self.rid, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.server.model_name, "choices": choices}
+        if usage is not None:
+            body["usage"] = usage
+        return body
+
+    def usage(self, out) -> dict:
+        completion = sum(len(c.token_ids) for c in out.outputs)
+        return {"prompt_tokens": self.prompt_len, "completion_tokens": completion,
+                "total_tokens": self.prompt_len + completion}
+
+    def _logprobs(self, c, start: int):
+        if self.params.logprobs is None or c.logprobs is None:
+            return None
+        ids, lps = c.token_ids[start:], c.logprobs[start:]
+        tops = getattr(c, "top_logprobs", None)
+        tops = tops[start:] if tops else [None] * len(ids)
+        text = [self.tok.decode([t]) if self.tok else str(t) for t in ids]
+
+        def top(entry):
+            if not entry:
+                return []
+            return [(self.tok.decode([t]) if self.tok else str(t), float(lp)) for t, lp in entry]
+        if self.chat:
+            return {"content": [{"token": s, "logprob": lp, "bytes": list(s.encode()),
+                                 "top_logprobs": [{"token": ts, "logprob": tl, "bytes": list(ts.encode())}
+                                                  for ts, tl in top(entry)]}
+                                for s, lp, entry in zip(text, lps, tops)]}
+        return {"tokens": text, "token_logprobs": lps,
+                "top_logprobs": [dict(top(entry)) or None for entry in tops],
+                "text_offset": []}
+
+    def _text(self, c) -> str:
+        if c.text is not None:
+            return c.text
+        return " ".join(map(str, c.token_ids))
+
+    def deltas(self, out) -> list[dict]:
+        choices = []
+        for c in out.outputs:
+            i = c.index
+            if self.done[i]:
+                continue
+            text = self._text(c)
+            finished = c.finish_reason is not None or out.finished
+            visible = text if finished or not self.hold else text[:max(len(text) - self.hold, len(self.sent_text[i]))]
+            delta = visible[len(self.sent_text[i]):]
+            lp = self._logprobs(c, self.sent_tokens[i])
+            if not delta and not finished and len(c.token_ids) == self.sent_tokens[i]:
+                continue
+            self.sent_text[i], self.sent_tokens[i] = visible, len(c.token_ids)
+            reason = (c.finish_reason or "abort") if finished else None
+            self.done[i] = finished
+            if self.chat:
+                choices.append({"index": i, "delta": {"content": delta} if delta or not finished else {},
+                                "logprobs": lp, "finish_reason": reason})
+            else:
+                choices.append({"index": i, "text": delta, "logprobs": lp, "finish_reason": reason})
+        return choices
+
+    def full(self, out) -> dict:
+        choices = []
+        for c in out.outputs:
+            lp = self._logprobs(c, 0)
+            if self.chat:
+                choices.append({"index": c.index, "message": {"role": "assistant", "content": self._text(c)},
+                                "logprobs": lp, "finish_reason": c.finish_reason})
+            else:
+                choices.append({"index": c.index, "text": self._text(c), "logprobs": lp,
+                                "finish_reason": c.finish_reason})
+        return {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.server.model_name, "choices": choices,
+                "usage": self.usage(out)}
+
+
+# ---------------------------------------------------------------- CLI
+def register(subparsers) -> None:
+    """`jaxsched serve`: the engine flags of `jaxsched generate`, plus the server's own."""
+    from jaxsched.cli import add_engine_args
+    p = subparsers.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
+                              description="An OpenAI-compatible server (as `vllm serve`): "
+                              "/v1/completions, /v1/chat/completions, /v1/models, /health, "
+                              "/metrics. With no --model: the embedded SmolLM2-135M-Instruct.")
+    a = p.add_argument
+    a("--host", default="127.0.0.1", help="address to listen on")
+    a("--port", type=int, default=8000, help="port to listen on")
+    a("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes "
+      "(default: $JAXSCHED_API_KEY)")
+    a("--served-model-name", default=None, help="the model name clients send (default: --model, "
+      f"else {DEFAULT_MODEL_NAME})")
+    a("--max-waiting-requests", type=int, default=256,
+      help="answer 503 once this many requests wait for the engine")
+    a("--max-request-bytes", type=int, default=MAX_BODY_BYTES, help="largest request body accepted")
+    a("--no-warm-up", action="store_true", help="skip compiling every token bucket before serving")
+    a("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
+      help="uvicorn's log level")
+    add_engine_args(p, SERVE_ENGINE)
+    p.set_defaults(func=run_server)
+
+
+def run_server(args: argparse.Namespace) -> int:
+    from jaxsched.cli import check_engine_kwargs, engine_kwargs
+    from jaxsched.compilation_cache import enable_compilation_cache
+
+    try:
+        engine = engine_kwargs(args)
+        check_engine_kwargs(engine)                  # bad flags fail before the model loads
+        if args.max_waiting_requests < 1:
+            raise ValueError(f"--max-waiting-requests: must be >= 1, got {args.max_waiting_requests}")
+        if not 0 < args.port < 65536:
+            raise ValueError(f"--port: must be in 1..65535, got {args.port}")
+    except (ValueError, TypeError) as e:
+        print(f"jaxsched serve: {e}", file=sys.stderr)
+        return 2
+    import uvicorn
+    from jaxsched.llm import LLM
+
+    enable_compilation_cache(args.compilation_cache_dir)
+    t0 = time.perf_counter()
+    try:
+        llm = LLM(args.model, seed=args.seed, dtype=args.dtype, **engine)
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        print(f"jaxsched serve: {e}", file=sys.stderr)
+        return 2
+    if not args.no_warm_up:
+        llm.warm_up()
+    name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
+    api_key = args.api_key or os.environ.get("JAXSCHED_API_KEY") or None
+    engine_loop = AsyncEngine(llm, Metrics(name), args.max_waiting_requests)
+    server = OpenAIServer(engine_loop, name, api_key, args.max_request_bytes)
+    logging.basicConfig(level=args.log_level.upper())
+    print(f"jaxsched serve: {name} ready in {time.perf_counter() - t0:.1f} s on "
+          f"http://{args.host}:{args.port}", flush=True)
+    # uvicorn handles SIGINT/SIGTERM: it stops accepting, lets open requests finish for a
+    # few seconds, cancels the rest (their requests are aborted), then stops the engine loop.
+    uvicorn.run(server.app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=5)
+    return 0

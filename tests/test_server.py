@@ -1,0 +1,340 @@
+"""`jaxsched serve` as a real process on a loopback port, driven by the official `openai` client.
+
+Two servers, each started once per module (the first compile of SmolLM2 is the slow part):
+  * `server`: a roomy cache, an API key and a short waiting queue (auth and 503s);
+  * `small_server`: a cache so small that 48 concurrent streams preempt by recompute (single
+    sequences) and by swap (n=2 groups), with a quarter of them hanging up mid-stream.
+Greedy outputs are checked against the offline `LLM` on the same prompts.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from jaxsched.params import SamplingParams
+
+MODEL = "smollm2-135m"
+KEY = "test-key"
+# One engine shape for both servers and the offline LLM; only the block counts differ.
+ENGINE = dict(block_size=16, max_num_seqs=8, num_slots=16, max_num_batched_tokens=64, max_model_len=256)
+ROOMY = dict(ENGINE, num_device_blocks=64, num_host_blocks=64)
+SMALL = dict(ENGINE, num_device_blocks=12, num_host_blocks=64)
+START_TIMEOUT_S = 900          # a cold compile of SmolLM2 on a small CPU
+PROMPTS = ["The capital of France is", "Once upon a time,", "def fibonacci(n):",
+           "The three primary colors are", "In 1969, the first", "A KV cache stores"]
+
+
+def _flags(engine: dict) -> list[str]:
+    return [x for k, v in engine.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(engine: dict, *extra: str, env: dict | None = None):
+    pytest.importorskip("fastapi")
+    from models.gguf import find_smollm2_gguf
+    try:
+        find_smollm2_gguf()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    port = _free_port()
+    cmd = [sys.executable, "-m", "jaxsched.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+           *_flags(engine), *extra]
+    proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"jaxsched serve exited with {proc.returncode}:\n{proc.stdout.read()}")
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    proc.kill()
+    pytest.fail(f"jaxsched serve not healthy after {START_TIMEOUT_S} s")
+
+
+def _stop(proc) -> int:
+    proc.send_signal(2)                        # SIGINT: the clean shutdown path
+    try:
+        return proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc, base = _start(ROOMY, "--max-waiting-requests", "6", env={"JAXSCHED_API_KEY": KEY})
+    yield base
+    assert _stop(proc) == 0
+
+
+@pytest.fixture(scope="module")
+def small_server():
+    proc, base = _start(SMALL, "--max-waiting-requests", "256")
+    yield base
+    assert _stop(proc) == 0
+
+
+@pytest.fixture(scope="module")
+def offline():
+    from jaxsched.llm import LLM
+    return LLM(MODEL, **ROOMY)
+
+
+def _client(base: str, key: str = KEY, cls=openai.OpenAI):
+    return cls(base_url=base + "/v1", api_key=key, max_retries=0, timeout=600)
+
+
+def _offline_greedy(llm, prompts, max_tokens, **kw) -> list[str]:
+    ids = [llm.tokenizer.encode(p) for p in prompts]
+    outs = llm.generate(ids, SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw), use_tqdm=False)
+    return [o.outputs[0].text for o in outs]
+
+
+def _metrics(base: str) -> dict[str, float]:
+    text = httpx.get(base + "/metrics", timeout=30).text
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r'^([a-zA-Z0-9_:]+)(\{[^}]*\})? ([0-9.e+-]+)$', line)
+        if m:
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+            key = m.group(1) + (f"[{labels['mode']}]" if "mode" in labels else "")
+            out[key] = out.get(key, 0.0) + float(m.group(3))
+    return out
+
+
+# ----------------------------------------------------------------------------- basics
+def test_models_health_metrics(server):
+    assert httpx.get(server + "/health").status_code == 200
+    models = _client(server).models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    names = _metrics(server)
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:num_requests_swapped",
+                 "vllm:gpu_cache_usage_perc", "vllm:cpu_cache_usage_perc", "vllm:num_preemptions_total",
+                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+                 "vllm:time_to_first_token_seconds_count", "vllm:time_per_output_token_seconds_count",
+                 "vllm:e2e_request_latency_seconds_count"):
+        assert name in names, name
+
+
+def test_completion_greedy_equals_offline(server, offline):
+    client = _client(server)
+    got = [client.completions.create(model=MODEL, prompt=p, max_tokens=12, temperature=0).choices[0].text
+           for p in PROMPTS[:3]]
+    assert got == _offline_greedy(offline, PROMPTS[:3], 12)
+    res = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0)
+    assert res.usage.prompt_tokens == len(offline.tokenizer.encode(PROMPTS[0]))
+    assert res.usage.completion_tokens <= 12 and res.choices[0].finish_reason in ("length", "stop")
+
+
+def test_chat_greedy_equals_offline(server, offline):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    res = _client(server).chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+    want = offline.chat(messages, SamplingParams(max_tokens=16, temperature=0.0))
+    assert res.choices[0].message.role == "assistant"
+    assert res.choices[0].message.content == want.outputs[0].text
+
+
+def test_streaming_matches_whole_and_ends_with_done(server):
+    client = _client(server)
+    whole = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=0)
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert sum(1 for c in chunks if c.choices and c.choices[0].text) > 1      # token by token
+    # The raw wire format: server-sent events ending in [DONE].
+    with httpx.stream("POST", server + "/v1/chat/completions", timeout=300,
+                      headers={"Authorization": f"Bearer {KEY}"},
+                      json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+                            "max_tokens": 4, "stream": True}) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert r.headers["content-type"].startswith("text/event-stream")
+    assert lines[-1] == "data: [DONE]"
+    first = json.loads(lines[0].removeprefix("data: "))
+    assert first["object"] == "chat.completion.chunk" and first["choices"][0]["delta"]["role"] == "assistant"
+
+
+def test_n2_and_seeded_sampling(server):
+    client = _client(server)
+    kw = dict(model=MODEL, prompt=PROMPTS[2], max_tokens=10, temperature=1.0, n=2)
+    a = client.completions.create(seed=7, **kw)
+    b = client.completions.create(seed=7, **kw)
+    c = client.completions.create(seed=8, **kw)
+    assert [ch.index for ch in a.choices] == [0, 1]
+    assert [ch.text for ch in a.choices] == [ch.text for ch in b.choices]
+    assert [ch.text for ch in a.choices] != [ch.text for ch in c.choices]
+    assert 2 <= a.usage.completion_tokens <= 20
+
+
+def test_logprobs(server):
+    res = _client(server).completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0,
+                                             logprobs=0)
+    lp = res.choices[0].logprobs
+    assert len(lp.token_logprobs) == len(lp.tokens) >= 1 and all(x <= 0 for x in lp.token_logprobs)
+    assert "".join(lp.tokens) == res.choices[0].text
+
+
+def _a_stop_string(text: str) -> str:
+    """A word from the middle of a greedy output: generation must end right before it."""
+    words = text.split()
+    assert len(words) >= 4, text
+    return " " + words[len(words) // 2]
+
+
+def test_stop_strings_offline_and_served(server, offline):
+    full = _offline_greedy(offline, [PROMPTS[3]], 24, ignore_eos=True)[0]
+    stop = _a_stop_string(full)
+    cut = full[:full.find(stop)]
+    ids = offline.tokenizer.encode(PROMPTS[3])
+    out = offline.generate([ids], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
+                                                 stop=[stop, "never-seen-stop"]), use_tqdm=False)[0]
+    assert out.outputs[0].text == cut and out.outputs[0].finish_reason == "stop"
+    assert len(out.outputs[0].token_ids) < 24                     # the engine stopped early
+    client = _client(server)
+    kw = dict(model=MODEL, prompt=PROMPTS[3], max_tokens=24, temperature=0, stop=stop,
+              extra_body={"ignore_eos": True})
+    res = client.completions.create(**kw)
+    assert res.choices[0].text == cut and res.choices[0].finish_reason == "stop"
+    chunks = list(client.completions.create(stream=True, **kw))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == cut   # no part of it streamed
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+
+
+# ----------------------------------------------------------------------------- bad input
+BAD = [
+    (b'{"model": "smollm2-135m", "prompt": ', "body"),                              # malformed JSON
+    (b'{"model": "smollm2-135m", "prompt": "\xff\xfe"}', "body"),                    # not UTF-8
+    ({"model": "gpt-4", "prompt": "x"}, "model"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": 100000}, "max_tokens"),
+    ({"model": MODEL, "prompt": "hello " * 300, "max_tokens": 4}, "prompt"),
+    ({"model": MODEL, "prompt": "x", "n": 9}, "n"),
+    ({"model": MODEL, "prompt": "x", "top_p": 2}, "top_p"),
+    ({"model": MODEL, "prompt": "x" * (2 << 20)}, "body"),                            # over the size limit
+    ({"model": MODEL}, "prompt"),
+    ({"model": MODEL, "messages": []}, "messages"),
+]
+
+
+@pytest.mark.parametrize("body,param", BAD, ids=[p + str(i) for i, (_, p) in enumerate(BAD)])
+def test_bad_request_is_400_naming_the_field(server, body, param):
+    route = "/v1/chat/completions" if isinstance(body, dict) and "messages" in body else "/v1/completions"
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(server + route, content=content, timeout=60,
+                   headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"] and err["code"] == 400
+    if param in ("max_tokens", "n", "prompt", "top_p") and "required" not in err["message"]:
+        assert re.search(r"\d", err["message"]), err["message"]      # the limit is named
+
+
+def test_bad_request_via_openai_client_raises_bad_request(server):
+    with pytest.raises(openai.BadRequestError, match="top_p"):
+        _client(server).completions.create(model=MODEL, prompt="x", top_p=2)
+
+
+# ----------------------------------------------------------------------------- auth, 503
+def test_auth(server):
+    body = dict(model=MODEL, prompt="x", max_tokens=1)
+    assert httpx.post(server + "/v1/completions", json=body, timeout=60).status_code == 401
+    with pytest.raises(openai.AuthenticationError):
+        _client(server, key="wrong").completions.create(**body)
+    assert _client(server).completions.create(**body).choices
+    assert httpx.get(server + "/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert httpx.get(server + "/health").status_code == 200                 # not a /v1 route
+
+
+def test_backpressure_503_past_the_queue_limit(server):
+    async def one(client, i):
+        try:
+            res = await client.completions.create(model=MODEL, prompt=PROMPTS[i % len(PROMPTS)],
+                                                  max_tokens=48, temperature=0, extra_body={"ignore_eos": True})
+            return res.usage.completion_tokens
+        except openai.APIStatusError as e:
+            return e
+
+    async def burst():
+        async with _client(server, cls=openai.AsyncOpenAI) as client:
+            return await asyncio.wait_for(asyncio.gather(*(one(client, i) for i in range(32))), 600)
+
+    results = asyncio.run(burst())
+    refused = [r for r in results if not isinstance(r, int)]
+    assert refused and all(r.status_code == 503 and "max-waiting-requests" in r.message for r in refused)
+    assert all(r == 48 for r in results if isinstance(r, int))
+    assert len(refused) < len(results)
+    assert httpx.get(server + "/health").status_code == 200
+
+
+# ----------------------------------------------------------------------------- load with faults
+def test_load_with_disconnects_preemption_and_bad_requests(small_server, offline):
+    """48 streams on 12 blocks: preempted by recompute and swap, a quarter hang up, some are bad."""
+    max_tokens = 20
+    want = dict(zip(PROMPTS, _offline_greedy(offline, PROMPTS, max_tokens, ignore_eos=True)))
+
+    async def stream(client, i):
+        prompt = PROMPTS[i % len(PROMPTS)]
+        n = 2 if i % 6 == 1 else 1                        # groups of two are preempted by swap
+        hang_up = i % 4 == 3
+        texts, chunks = [""] * n, 0
+        s = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, n=n,
+                                            temperature=0, stream=True, extra_body={"ignore_eos": True})
+        async for c in s:
+            for ch in c.choices:
+                texts[ch.index] += ch.text
+            chunks += 1
+            if hang_up and chunks == 3:
+                await s.close()                           # the client goes away mid-stream
+                return None
+        return prompt, texts
+
+    async def bad(client, i):
+        with pytest.raises(openai.BadRequestError):
+            await client.completions.create(model=MODEL, prompt="x", max_tokens=0 if i % 2 else 1,
+                                            top_p=2 if i % 2 == 0 else 1)
+        return "bad"
+
+    async def load():
+        async with _client(small_server, cls=openai.AsyncOpenAI) as client:
+            jobs = [stream(client, i) for i in range(48)] + [bad(client, i) for i in range(6)]
+            return await asyncio.wait_for(asyncio.gather(*jobs), 600)
+
+    results = asyncio.run(load())
+    done = [r for r in results if isinstance(r, tuple)]
+    assert len(done) == 36 and results.count("bad") == 6
+    for prompt, texts in done:
+        assert texts == [want[prompt]] * len(texts), prompt
+    assert httpx.get(small_server + "/health").status_code == 200
+
+    deadline = time.monotonic() + 120            # aborted requests finish at the next step
+    while (m := _metrics(small_server))["vllm:num_requests_running"] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert m["jaxsched:num_preemptions_by_mode_total[recompute]"] > 0
+    assert m["jaxsched:num_preemptions_by_mode_total[swap]"] > 0
+    assert m["vllm:num_preemptions_total"] == (m["jaxsched:num_preemptions_by_mode_total[recompute]"]
+                                               + m["jaxsched:num_preemptions_by_mode_total[swap]"])
+    assert m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0
+    assert m["vllm:num_requests_swapped"] == 0
+    assert m["vllm:gpu_cache_usage_perc"] == 0 and m["vllm:cpu_cache_usage_perc"] == 0
+    assert m["vllm:request_success_total"] >= 36
