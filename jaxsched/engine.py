@@ -31,7 +31,8 @@ from jaxsched.attention import AttentionMetadata
 from jaxsched.batch import flat_batch
 from jaxsched.config import Capacity, SchedulerConfig
 from jaxsched.requests import RequestBatch, add_requests, free_finished, update
-from jaxsched.sampling import apply_penalties, sample, token_key
+from jaxsched.params import MAX_LOGPROBS
+from jaxsched.sampling import apply_penalties, sample, token_key, top_logprobs
 from jaxsched.scheduler import schedule_step
 from jaxsched.state import FINISHED, SchedulerState, init_state
 
@@ -45,6 +46,7 @@ class SamplingRows:
       key: uint32[R, 2] the request's base PRNG key (from its seed, or the engine key and id).
       min_tokens: int32[R]; ignore_eos: bool[R]; stop_token_ids: int32[R, K] (-1 padded).
       presence_penalty, frequency_penalty: float32[R] (0 off); repetition_penalty: float32[R] (1 off).
+      num_logprobs: int32[R] top log-probabilities wanted per token (0: none).
     """
     temperature: jax.Array
     top_k: jax.Array
@@ -57,6 +59,7 @@ class SamplingRows:
     presence_penalty: jax.Array
     frequency_penalty: jax.Array
     repetition_penalty: jax.Array
+    num_logprobs: jax.Array
 
 
 @struct.dataclass
@@ -83,6 +86,7 @@ class EngineState:
       token_ids: int32[G, S, L] every sequence's prompt + outputs (L = table width * block).
       pending: int32[G, S] tokens a re-prefilled forked group sampled before its prefill ended.
       pending_logprob: float32[G, S] their log-probabilities.
+      pending_top_id, pending_top_logprob: int32 / float32[G, S, MAX_LOGPROBS] their top tokens.
       sampling: SamplingRows with one row per slot.
       eos_token_id: int32[] (-1: none).
     """
@@ -91,6 +95,8 @@ class EngineState:
     token_ids: jax.Array
     pending: jax.Array
     pending_logprob: jax.Array
+    pending_top_id: jax.Array
+    pending_top_logprob: jax.Array
     sampling: SamplingRows
     eos_token_id: jax.Array
 
@@ -101,6 +107,8 @@ class StepOutput(NamedTuple):
     new_token: jax.Array       # int32[G, S]
     has_token: jax.Array       # bool[G, S]
     logprob: jax.Array         # float32[G, S]
+    top_id: jax.Array          # int32[G, S, MAX_LOGPROBS] the most likely tokens, best first
+    top_logprob: jax.Array     # float32[G, S, MAX_LOGPROBS] their log-probabilities
     seq_finish_reason: jax.Array  # int32[G, S]
     finished: jax.Array        # bool[G] reached a final status this step
     finish_reason: jax.Array   # int32[G]
@@ -167,11 +175,12 @@ def init_engine(config: SchedulerConfig, kv_cache: kvc.KVCache, eos_token_id: in
     state = EngineState(
         sched=init_state(config), kv=kv_cache,
         token_ids=z(g, s, m * cap.block_size), pending=z(g, s), pending_logprob=z(g, s, dt=jnp.float32),
+        pending_top_id=z(g, s, MAX_LOGPROBS), pending_top_logprob=z(g, s, MAX_LOGPROBS, dt=jnp.float32),
         sampling=SamplingRows(temperature=z(g, dt=jnp.float32), top_k=z(g), top_p=jnp.ones((g,), jnp.float32),
                               min_p=z(g, dt=jnp.float32), key=jnp.zeros((g, 2), jnp.uint32),
                               min_tokens=z(g), ignore_eos=z(g, dt=bool), stop_token_ids=jnp.full((g, 8), -1, jnp.int32),
                               presence_penalty=z(g, dt=jnp.float32), frequency_penalty=z(g, dt=jnp.float32),
-                              repetition_penalty=jnp.ones((g,), jnp.float32)),
+                              repetition_penalty=jnp.ones((g,), jnp.float32), num_logprobs=z(g)),
         eos_token_id=jnp.asarray(-1 if eos_token_id is None else eos_token_id, jnp.int32),
     )
     # Commit every array to its device, as `step`'s outputs are: otherwise the second step
@@ -309,11 +318,16 @@ def finish_impl(state: EngineState, plan: StepPlan, logits, spec: EngineSpec):
     drop = jnp.where(live_row, gs, g * s)
     new_tok = jnp.zeros((g * s,), jnp.int32).at[drop].set(tok, mode="drop").reshape(g, s)
     new_lp = jnp.zeros((g * s,), jnp.float32).at[drop].set(logprob, mode="drop").reshape(g, s)
+    top_id, top_lp = top_logprobs(logits, sp.num_logprobs[row_g], MAX_LOGPROBS)
+    new_top_id = jnp.zeros((g * s, MAX_LOGPROBS), jnp.int32).at[drop].set(top_id, mode="drop").reshape(g, s, -1)
+    new_top_lp = jnp.zeros((g * s, MAX_LOGPROBS), jnp.float32).at[drop].set(top_lp, mode="drop").reshape(g, s, -1)
 
     # A re-prefilled forked group samples each sequence when its last token runs; the tokens
     # wait in `pending` until the whole prefill is done (SPEC B1).
     pending = jnp.where(fb.sample_mask, new_tok, state.pending)
     pending_lp = jnp.where(fb.sample_mask, new_lp, state.pending_logprob)
+    pending_top_id = jnp.where(fb.sample_mask[..., None], new_top_id, state.pending_top_id)
+    pending_top_lp = jnp.where(fb.sample_mask[..., None], new_top_lp, state.pending_top_logprob)
     completes = out.scheduled & (~out.is_prefill | (fb.done_after >= sched.prefill_total))
     final_tok = jnp.where(completes[:, None], pending, 0)
 
@@ -334,6 +348,8 @@ def finish_impl(state: EngineState, plan: StepPlan, logits, spec: EngineSpec):
     result = StepOutput(
         request_index=sched.request_index, new_token=jnp.where(sampled, final_tok, 0), has_token=sampled,
         logprob=jnp.where(sampled, pending_lp, 0.0),
+        top_id=jnp.where(sampled[..., None], pending_top_id, 0),
+        top_logprob=jnp.where(sampled[..., None], pending_top_lp, 0.0),
         seq_finish_reason=sched.seq_finish_reason, finished=finished,
         finish_reason=sched.finish_reason, ignore_reason=sched.ignore_reason,
         scheduled=out.scheduled, num_scheduled_tokens=out.num_scheduled_tokens,
@@ -344,7 +360,8 @@ def finish_impl(state: EngineState, plan: StepPlan, logits, spec: EngineSpec):
     )
     sched, _ = free_finished(sched)      # results of finished slots travel in `result`
     state = state.replace(sched=sched, kv=kv, token_ids=token_ids, pending=pending,
-                          pending_logprob=pending_lp)
+                          pending_logprob=pending_lp, pending_top_id=pending_top_id,
+                          pending_top_logprob=pending_top_lp)
     return state, result
 
 

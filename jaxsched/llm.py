@@ -54,6 +54,7 @@ class _Request:
     finished: bool = False
     message: Optional[str] = None
     text_stopped: set = dataclasses.field(default_factory=set)   # sequences cut at a stop string
+    top_logprobs: list = dataclasses.field(default_factory=list)  # per sequence, when logprobs > 0
 
     def output(self) -> RequestOutput:
         outs = []
@@ -62,7 +63,8 @@ class _Request:
             outs.append(CompletionOutput(
                 index=i, token_ids=list(self.tokens[i]), text=self.text[i] if self.detok else None,
                 finish_reason=self.reasons[i], logprobs=list(lp) if lp is not None else None,
-                cumulative_logprob=float(sum(lp)) if lp is not None else None))
+                cumulative_logprob=float(sum(lp)) if lp is not None else None,
+                top_logprobs=list(self.top_logprobs[i]) if self.top_logprobs else None))
         return RequestOutput(self.request_id, self.prompt, list(self.prompt_ids), outs,
                              self.finished, self.message)
 
@@ -342,7 +344,8 @@ class LLM:
                ("max_tokens", np.int32), ("request_index", np.int32), ("top_k", np.int32),
                ("min_tokens", np.int32), ("temperature", np.float32), ("top_p", np.float32),
                ("min_p", np.float32), ("arrival_time", np.float32), ("presence_penalty", np.float32),
-               ("frequency_penalty", np.float32), ("repetition_penalty", np.float32))}
+               ("frequency_penalty", np.float32), ("repetition_penalty", np.float32),
+               ("num_logprobs", np.int32))}
         valid = np.zeros(rows, bool)
         ignore_eos = np.zeros(rows, bool)
         prompts = np.zeros((rows, plen), np.int32)
@@ -358,7 +361,7 @@ class LLM:
                          ("temperature", p.temperature), ("top_p", p.top_p), ("min_p", p.min_p),
                          ("arrival_time", now), ("presence_penalty", p.presence_penalty),
                          ("frequency_penalty", p.frequency_penalty),
-                         ("repetition_penalty", p.repetition_penalty)):
+                         ("repetition_penalty", p.repetition_penalty), ("num_logprobs", p.logprobs or 0)):
                 arr[k][r] = v
             ignore_eos[r] = p.ignore_eos
             stops[r, :len(p.stop_token_ids)] = p.stop_token_ids
@@ -374,7 +377,8 @@ class LLM:
                                 ignore_eos=jnp.asarray(ignore_eos), stop_token_ids=jnp.asarray(stops),
                                 presence_penalty=jnp.asarray(arr["presence_penalty"]),
                                 frequency_penalty=jnp.asarray(arr["frequency_penalty"]),
-                                repetition_penalty=jnp.asarray(arr["repetition_penalty"]))
+                                repetition_penalty=jnp.asarray(arr["repetition_penalty"]),
+                                num_logprobs=jnp.asarray(arr["num_logprobs"]))
         self._active += len(take)
         return NewRequests(batch=batch, prompt_tokens=jnp.asarray(prompts), sampling=sampling), take
 
@@ -420,6 +424,12 @@ class LLM:
                 tok = int(out.new_token[slot, i])
                 req.tokens[i].append(tok)
                 req.logprobs[i].append(float(out.logprob[slot, i]))
+                if req.params.logprobs:
+                    if not req.top_logprobs:
+                        req.top_logprobs = [[] for _ in range(req.params.n)]
+                    k = req.params.logprobs
+                    req.top_logprobs[i].append(dict(zip(out.top_id[slot, i, :k].tolist(),
+                                                        out.top_logprob[slot, i, :k].tolist())))
                 st["output_tokens"] += 1
                 if req.detok:
                     before = len(req.text[i])

@@ -11,6 +11,7 @@ import math
 from typing import Optional
 
 MAX_STOP_TOKEN_IDS = 8
+MAX_LOGPROBS = 20          # vLLM's default max_logprobs: a compiled width of the step's output
 MAX_SEED = 2**31
 
 
@@ -89,9 +90,9 @@ class SamplingParams:
             _bad("repetition_penalty", f"must be a number in (0, 2], got {self.repetition_penalty!r}")
         if not isinstance(self.ignore_eos, bool):
             _bad("ignore_eos", f"must be True or False, got {self.ignore_eos!r}")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs not in (0, 1)):
-            _bad("logprobs", f"only the sampled token's log-probability is returned: use None, 0 or 1, "
-                 f"got {self.logprobs!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            _bad("logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}] (the sampled token's "
+                 f"log-probability and that many top ones), got {self.logprobs!r}")
         if max_num_seqs is not None and self.n > max_num_seqs:
             _bad("n", f"{self.n} exceeds max_num_seqs={max_num_seqs}")
         if max_seqs_per_group is not None and self.n > max_seqs_per_group:
@@ -110,6 +111,7 @@ class CompletionOutput:
     finish_reason: Optional[str] = None     # "length", "stop", "ignored", "abort"
     logprobs: Optional[list[float]] = None
     cumulative_logprob: Optional[float] = None
+    top_logprobs: Optional[list[dict[int, float]]] = None   # per token: the `logprobs` most likely
 
 
 @dataclasses.dataclass

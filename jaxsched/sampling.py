@@ -307,3 +307,19 @@ def apply_penalties(logits: jax.Array, prompt_tokens: jax.Array, seq_tokens: jax
     logits = logits.astype(jnp.float32)
     active = jnp.any((presence != 0) | (frequency != 0) | (repetition != 1))
     return jax.lax.cond(active, penalize, lambda x: x, logits)
+
+
+def top_logprobs(logits: jax.Array, num: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """The k most likely tokens of each row and their log-probabilities, best first.
+
+    logits: float[R, V] (after penalties, as the sampled token's logprob); num: int32[R] how
+    many each row wants (the host keeps that many); k: static, the most any row may want.
+    A batch where no row wants any skips the [R, V] top-k and returns zeros.
+    """
+    def compute(logits):
+        lp, ids = jax.lax.top_k(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), k)
+        return ids.astype(jnp.int32), lp
+
+    def none(logits):
+        return jnp.zeros((logits.shape[0], k), jnp.int32), jnp.zeros((logits.shape[0], k), jnp.float32)
+    return jax.lax.cond(jnp.any(num > 0), compute, none, logits)

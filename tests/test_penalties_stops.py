@@ -112,3 +112,19 @@ def test_stop_strings_cut_the_text_and_finish_early(llm):
     # min_tokens holds stop strings back, as vLLM's stop checker does.
     held = _greedy(llm, [9, 10, 11], stop=[stop], min_tokens=23)
     assert len(held.token_ids) >= 23
+
+
+def test_top_logprobs_best_first_and_greedy_token_on_top(llm):
+    out = _greedy(llm, [3, 4, 5], logprobs=3)
+    assert len(out.top_logprobs) == len(out.token_ids) == 24
+    for tok, lp, top in zip(out.token_ids, out.logprobs, out.top_logprobs):
+        ids, lps = list(top), list(top.values())
+        assert len(ids) == 3 and lps == sorted(lps, reverse=True) and all(x <= 0 for x in lps)
+        assert ids[0] == tok and abs(lps[0] - lp) < 1e-5          # greedy: the sampled one is best
+    assert _greedy(llm, [3, 4, 5], logprobs=0).top_logprobs is None
+    assert _greedy(llm, [3, 4, 5]).token_ids == out.token_ids
+
+
+def test_logprobs_limit_names_the_field():
+    with pytest.raises(ValueError, match=r"SamplingParams.logprobs: .*\[0, 20\]"):
+        SamplingParams(logprobs=21)

@@ -193,6 +193,17 @@ def test_logprobs(server):
     lp = res.choices[0].logprobs
     assert len(lp.token_logprobs) == len(lp.tokens) >= 1 and all(x <= 0 for x in lp.token_logprobs)
     assert "".join(lp.tokens) == res.choices[0].text
+    res = _client(server).completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0,
+                                             logprobs=3)
+    lp = res.choices[0].logprobs
+    assert all(1 <= len(top) <= 3 and max(top.values()) == pytest.approx(x, abs=1e-4)
+               for top, x in zip(lp.top_logprobs, lp.token_logprobs))
+    chat = _client(server).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3, temperature=0,
+        logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) >= 1 and all(len(t.top_logprobs) == 2 for t in content)
+    assert content[0].top_logprobs[0].logprob == pytest.approx(content[0].logprob, abs=1e-4)
 
 
 def _a_stop_string(text: str) -> str:

@@ -287,14 +287,13 @@ class _Shape:
         if self.params.logprobs is None or c.logprobs is None:
             return None
         ids, lps = c.token_ids[start:], c.logprobs[start:]
-        tops = getattr(c, "top_logprobs", None)
-        tops = tops[start:] if tops else [None] * len(ids)
+        tops = c.top_logprobs[start:] if c.top_logprobs else [None] * len(ids)
         text = [self.tok.decode([t]) if self.tok else str(t) for t in ids]
 
         def top(entry):
             if not entry:
                 return []
-            return [(self.tok.decode([t]) if self.tok else str(t), float(lp)) for t, lp in entry]
+            return [(self.tok.decode([t]) if self.tok else str(t), float(lp)) for t, lp in entry.items()]
         if self.chat:
             return {"content": [{"token": s, "logprob": lp, "bytes": list(s.encode()),
                                  "top_logprobs": [{"token": ts, "logprob": tl, "bytes": list(ts.encode())}
