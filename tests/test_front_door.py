@@ -129,7 +129,9 @@ def test_llm__bad_engine_arguments_fail_before_the_model_loads():
     ("seed", "7"), ("seed", -1), ("seed", 2**31), ("max_tokens", None), ("max_tokens", 0),
     ("max_tokens", True), ("min_tokens", None), ("min_tokens", 99), ("stop_token_ids", None),
     ("stop_token_ids", [1, -2]), ("stop_token_ids", list(range(9))), ("ignore_eos", None),
-    ("ignore_eos", "yes"), ("logprobs", 5), ("logprobs", "1"),
+    ("ignore_eos", "yes"), ("logprobs", 21), ("logprobs", -1), ("logprobs", "1"),
+    ("stop", "".join([])), ("stop", [None]), ("presence_penalty", 2.5), ("frequency_penalty", None),
+    ("repetition_penalty", 0),
 ])
 def test_sampling_params__every_bad_field_gets_one_line_naming_it(field, value):
     with pytest.raises(ValueError) as info:
