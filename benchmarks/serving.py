@@ -212,6 +212,7 @@ def main() -> int:
         print(name, json.dumps(rows[name]), flush=True)
     config = {k: getattr(args, k) for k in ("num_prompts", "request_rate", "random_input_len",
                                             "random_output_len", "random_range_ratio", "trace", "seed")}
+    config["request_rate"] = str(args.request_rate)          # "inf" stays valid JSON
     config.update(goodput_ms=goodput, engine=" ".join(SUITE_ENGINE), caches={k: " ".join(v) for k, v in SUITE.items()},
                   load_average=os.getloadavg()[0], cpus=os.cpu_count())
     md = (f"Serving benchmark (SmolLM2-135M, {args.num_prompts} requests, rate {args.request_rate}, "
