@@ -28,7 +28,8 @@ CONFIG_FLAGS = [("block_size", int, "tokens per KV block"),
 # Columns of the sweep's printed table.
 TABLE_COLUMNS = ("steps", "preempted_recompute", "preempted_swap", "blocks_swapped_out",
                  "blocks_swapped_in", "ignored", "latency_mean", "latency_p99",
-                 "peak_device_blocks_used", "peak_host_blocks_used", "seconds", "latency_mean_s")
+                 "peak_device_blocks_used", "peak_host_blocks_used", "seconds", "latency_mean_s",
+                 "ttft_mean", "tpot_mean", "goodput", "good_per_s", "good_per_step")
 
 
 def _flag(name: str) -> str:
@@ -87,6 +88,20 @@ def register(subparsers) -> None:
     s("--threads", type=int,
       help="host threads, each stepping its own shard of runs (default: one per CPU core on "
            "CPU, 1 on an accelerator)")
+    s("--gpu-memory-utilization", metavar="SPEC", help="sweep axis in memory units, e.g. 0.5:0.9:0.1: "
+      "the device's share that the weights, working memory and KV cache may use (needs --model)")
+    s("--swap-space", metavar="SPEC", help="sweep axis, GiB of host swap per device, e.g. 1,4,16 (needs --model)")
+    s("--model", help="the model whose memory turns the memory axes into block counts "
+      "(smollm2-135m, a .gguf file or an HF directory); measured on this backend")
+    s("--dtype", default="float32", choices=["float32", "bfloat16"], help="with --model: weights' dtype")
+    s("--device-memory", type=float, metavar="GIB",
+      help="with --model: plan for a device of this many GiB (default: this backend's memory)")
+    s("--slo-ttft", type=float, metavar="S", help="time-to-first-token objective (seconds with "
+      "--step-cost, else steps); adds goodput to each row")
+    s("--slo-tpot", type=float, metavar="S", help="time-per-output-token objective (seconds with "
+      "--step-cost, else steps)")
+    s("--min-goodput", type=float, metavar="G", help="print the smallest configuration whose goodput "
+      "is at least G (e.g. 0.99)")
     s("-o", "--output-dir", help="write sweep.csv, sweep.json and plots here")
     s("--no-progress", action="store_true", help="no progress bar")
     sweep.set_defaults(func=cmd_sweep)
@@ -106,7 +121,36 @@ def write_results(rows: list[dict], out_dir, prefix: str = "sweep") -> list:
         writer.writeheader()
         writer.writerows(rows)
     (out / f"{prefix}.json").write_text(json.dumps(rows, indent=1))
-    return [out / f"{prefix}.csv", out / f"{prefix}.json"] + plot_results(rows, out, prefix)
+    paths = [out / f"{prefix}.csv", out / f"{prefix}.json"] + plot_results(rows, out, prefix)
+    if rows and rows[0].get("goodput") is not None:
+        paths.append(plot_goodput(rows, out, prefix))
+    return paths
+
+
+def plot_goodput(rows: list[dict], out_dir, prefix: str = "sweep"):
+    """{prefix}_goodput.png: goodput against memory (gpu_memory_utilization, else
+    num_device_blocks), one line per max_num_seqs and preemption mode (and swap)."""
+    from matplotlib.figure import Figure
+
+    x = "gpu_memory_utilization" if "gpu_memory_utilization" in rows[0] else "num_device_blocks"
+    swap = "swap_space" if "swap_space" in rows[0] else "num_host_blocks"
+    other = [k for k in ("preemption_mode", "max_num_seqs", swap) if k in rows[0]]
+    fig = Figure(figsize=(6, 4), layout="constrained")
+    ax = fig.subplots()
+    keys = list(dict.fromkeys(tuple(r[k] for k in other) for r in rows))
+    for i, key in enumerate(keys):
+        line = sorted((r for r in rows if tuple(r[k] for k in other) == key), key=lambda r: r[x])
+        ax.plot([r[x] for r in line], [r["goodput"] for r in line], marker="o", markersize=3,
+                color=f"C{i % 10}", linestyle="-" if i < 10 else "--",
+                label=", ".join(f"{k}={v}" for k, v in zip(other, key)) or "trace config")
+    ax.set_xlabel(x)
+    ax.set_ylabel("goodput (share of requests meeting the objectives)")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    path = Path(out_dir) / f"{prefix}_goodput.png"
+    fig.savefig(path, dpi=110)
+    return path
 
 
 def plot_results(rows: list[dict], out_dir, prefix: str = "sweep") -> list:
@@ -225,11 +269,11 @@ def _one_line(error: Exception) -> str:
 
 
 def cmd_sweep(args) -> int:
-    from jaxsched.sweep import SWEEP_FIELDS, SweepError, sweep
+    from jaxsched.sweep import MEMORY_FIELDS, SWEEP_FIELDS, SweepError, pick_smallest, sweep
     from jaxsched.trace import TraceError, load_trace
     from jaxsched.workload import StepTimeModel
 
-    axes = {f: getattr(args, f) for f in (*SWEEP_FIELDS, "block_size", "enable_chunked_prefill")
+    axes = {f: getattr(args, f) for f in (*SWEEP_FIELDS, *MEMORY_FIELDS, "block_size", "enable_chunked_prefill")
             if getattr(args, f, None) is not None}
     try:
         trace = load_trace(args.trace)
@@ -240,18 +284,38 @@ def cmd_sweep(args) -> int:
             if len(parts) != 4:
                 raise ValueError(f"--step-cost: expected A,B,C,D, got {args.step_cost!r}")
             model = StepTimeModel(*(float(p) for p in parts))
+        memory = None
+        if args.model:
+            from jaxsched.sizing import GiB, profile_model
+            memory = profile_model(args.model, dtype=args.dtype, device_memory_bytes=int(
+                args.device_memory * GiB) if args.device_memory else None)
+        elif args.device_memory is not None:
+            raise ValueError("--device-memory: needs --model")
+        if args.min_goodput is not None and args.slo_ttft is None and args.slo_tpot is None:
+            raise ValueError("--min-goodput: needs --slo-ttft and/or --slo-tpot")
         rows = sweep(trace, capacity=capacity, step_time_model=model, vmap_runs=args.vmap_runs,
                      threads=args.threads, progress=not args.no_progress,
-                     preemption_costs=args.preemption_costs, **axes)
+                     preemption_costs=args.preemption_costs, memory=memory,
+                     slo_ttft=args.slo_ttft, slo_tpot=args.slo_tpot, **axes)
     except (SweepError, TraceError, ValueError) as e:
         print(_one_line(e), file=sys.stderr)
         return 2
     except RuntimeError as e:
         print(_one_line(e), file=sys.stderr)
         return 1
-    columns = [c for c in SWEEP_FIELDS if c in rows[0]] + [c for c in TABLE_COLUMNS if c in rows[0]]
+    fields = SWEEP_FIELDS[:2] + MEMORY_FIELDS + SWEEP_FIELDS[2:]
+    columns = [c for c in fields if c in rows[0]] + [c for c in TABLE_COLUMNS if c in rows[0]]
     print(f"swept {args.trace}: {len(rows)} runs")
     print(markdown_table(rows, columns))
+    if args.min_goodput is not None:
+        pick = pick_smallest(rows, args.min_goodput)
+        if pick is None:
+            best = max(r["goodput"] for r in rows)
+            print(f"no configuration in the grid reaches goodput {args.min_goodput:g} (best {best:.3f})")
+        else:
+            where = ", ".join(f"{k}={pick[k]}" for k in fields if k in pick)
+            print(f"smallest configuration with goodput >= {args.min_goodput:g}: {where} "
+                  f"(goodput {pick['goodput']:.3f})")
     if args.output_dir:
         for path in write_results(rows, args.output_dir):
             print(f"wrote {path}")

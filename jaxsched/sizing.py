@@ -482,3 +482,39 @@ def size_engine(engine_args: dict, model_config, place, *, gpu_memory_utilizatio
 def _log(plan: CachePlan) -> None:
     for line in plan.log_lines():
         (log.warning if line.startswith("warning") else log.info)("%s", line)
+
+
+def profile_model(model=None, *, dtype: str = "float32", device_memory_bytes: Optional[int] = None,
+                  impl: str = "chunked"):
+    """A function SchedulerConfig -> MemoryProfile for a model (a planner's `memory`).
+
+    Loads and places the model once (one device) and measures, per distinct (block size,
+    max_num_seqs, max_num_batched_tokens, max_model_len), the working memory as `LLM` does at
+    start-up, so a planned row's block counts are the ones `LLM` chooses with the same knobs.
+    """
+    import functools
+
+    from jaxsched.config import SchedulerConfig
+    from jaxsched.llm import _place_model
+    from models.loader import load_weights
+
+    model_config, tensors, _ = load_weights(model, dtype=dtype)
+    probe = SchedulerConfig(num_device_blocks=1, num_host_blocks=0, max_model_len=16,
+                            max_num_batched_tokens=16, max_num_seqs=1)
+    graphdef, params, forward, kv, _ = _place_model(model_config, tensors, None, probe.capacity(), 1,
+                                                    None, impl)
+    total = Memory(device_memory_bytes, "injected device_memory_bytes") if device_memory_bytes else None
+
+    @functools.lru_cache(maxsize=None)
+    def measure(block_size, max_num_seqs, max_num_batched_tokens, blocks_per_seq):
+        return profile_engine(model_config, params, forward, graphdef, kv, block_size=block_size,
+                              max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                              blocks_per_seq=blocks_per_seq, impl=impl, total=total)
+
+    def memory(config) -> MemoryProfile:
+        return measure(config.block_size, config.max_num_seqs, config.max_num_batched_tokens,
+                       dataclasses.replace(config, num_device_blocks_capacity=None,
+                                           num_host_blocks_capacity=None,
+                                           max_blocks_per_seq=None).capacity().max_blocks_per_seq)
+    memory.model_config = model_config
+    return memory

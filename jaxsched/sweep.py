@@ -47,7 +47,7 @@ from jaxsched.config import PREEMPT_RECOMPUTE, PREEMPT_SWAP, SchedulerConfig
 from jaxsched.cost_model import PreemptionCosts
 from jaxsched.requests import RequestBatch
 from jaxsched.simulate import CHUNK_STEPS, replay_step
-from jaxsched.state import FINISHED, IGNORED, init_state, set_limits
+from jaxsched.state import EMPTY, FINISHED, IGNORED, init_state, set_limits
 from jaxsched.trace import Trace, TraceError, parse_trace
 # "auto" is the cost-based mode (the trace config's preemption_costs, else the default
 # costs); vLLM's default (None: recompute one sequence, swap more) is "default" or "none".
@@ -55,7 +55,9 @@ MODES = {"auto": "auto", "default": None, "none": None, "recompute": "recompute"
 # Sweepable limits, in grid order (the first varies slowest), and how to read their values.
 SWEEP_FIELDS = ("preemption_mode", "max_num_seqs", "num_device_blocks", "num_host_blocks",
                 "max_num_batched_tokens", "max_model_len", "watermark", "delay_factor")
-FLOAT_FIELDS = ("watermark", "delay_factor")
+# vLLM's memory knobs: turned into block counts by jaxsched.sizing (memory_grid).
+MEMORY_FIELDS = ("gpu_memory_utilization", "swap_space")
+FLOAT_FIELDS = ("watermark", "delay_factor") + MEMORY_FIELDS
 STATIC_FIELDS = ("block_size", "enable_chunked_prefill", "artificial_preemption", "seed")
 # Per-step record of one run, int32[NUM_COLS] (a StepTimeModel reads prefill, decode, swaps).
 (C_FINISHED, C_RECOMPUTE, C_SWAP, C_SWAP_OUT, C_SWAP_IN, C_SWAPPED_IN, C_FREE_DEVICE,
@@ -71,7 +73,7 @@ class SweepError(ValueError):
 
 def parse_values(field: str, spec) -> list:
     """A sweep axis: a list, one value, or a spec string "a,b,c" or "start:stop:step" (inclusive)."""
-    if field not in SWEEP_FIELDS:
+    if field not in SWEEP_FIELDS + MEMORY_FIELDS:
         raise SweepError(_not_sweepable(field))
     if isinstance(spec, str):
         if field != "preemption_mode" and ":" in spec:
@@ -138,6 +140,8 @@ def _parse_range(field: str, spec: str) -> list:
     if start > stop:
         raise SweepError(f"sweep: {field}: empty range {spec!r} (start > stop)")
     count = int(math.floor((stop - start) / step + 1e-9)) + 1
+    if field in FLOAT_FIELDS:                 # 0.5:0.9:0.1 gives 0.6, not 0.6000000000000001
+        return [round(start + i * step, 9) for i in range(count)]
     return [start + i * step for i in range(count)]
 
 
@@ -235,20 +239,28 @@ def _run_record(state, out, overflow):
         jnp.where(out.is_prefill, out.num_scheduled_tokens, 0).sum(dtype=jnp.int32),
         jnp.where(out.scheduled & ~out.is_prefill, out.num_seqs, 0).sum(dtype=jnp.int32),
         overflow.any()]).astype(jnp.int32)
-    return record, finished, state.request_index, state.finish_reason
+    # Output tokens so far of each group's longest sequence: its first token is when this
+    # turns positive, its count at the finish is what TPOT divides by.
+    output_len = jnp.where(state.status != EMPTY, state.num_tokens.max(-1) - state.prompt_len, 0)
+    return record, finished, state.request_index, state.finish_reason, output_len
 
 
 def _step(carry, x, cols, arrival_time, cap, width):
     """One replay step of one run (simulate's `replay_step`) and its int32[NUM_COLS] record."""
-    state, per_request = carry                # per_request: int32[2, N] finish step, reason
+    # per_request: int32[4, N] finish step, reason, first-token step, output tokens at finish
+    state, per_request = carry
     t, now = x
     batch = _batch_at(cols, arrival_time, t, width)
     # A request that found no free slot (slot index out of range) voids the run: more slots.
     record_of = lambda st, out, slots: _run_record(st, out, batch.valid & (slots >= st.status.shape[-1]))
-    state, (record, finished, index, reason), _ = replay_step(state, batch, now, cap, record_of)
-    at = jnp.where(finished, index, cols.shape[1])
+    state, (record, finished, index, reason, output_len), _ = replay_step(state, batch, now, cap, record_of)
+    n = cols.shape[1]
+    at = jnp.where(finished, index, n)
     per_request = per_request.at[0, at].set(t, mode="drop")
     per_request = per_request.at[1, at].set(reason, mode="drop")
+    per_request = per_request.at[3, at].set(output_len, mode="drop")
+    first = (output_len > 0) & (per_request[2, jnp.minimum(index, n - 1)] < 0)
+    per_request = per_request.at[2, jnp.where(first, index, n)].set(t, mode="drop")
     return (state, per_request), record
 
 
@@ -291,7 +303,7 @@ def default_threads() -> int:
 
 def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: int, progress: bool,
             threads: int = 1):
-    """Run every config to the end; (records [runs, T, NUM_COLS], per_request [runs, 2, N]) or
+    """Run every config to the end; (records [runs, T, NUM_COLS], per_request [runs, 4, N]) or
     None when some run had more requests alive than slots.
 
     With `threads` > 1 the runs are split into that many equal shards, each stepped by its
@@ -313,7 +325,7 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
     limits = [set_limits(base, c) for c in configs]
     state = jax.tree.map(lambda *xs: jnp.stack(xs), *[limits[min(r, runs - 1)] for r in deal])
     # A padding run starts drained (every request has a finish step): it skips every chunk.
-    per_request = np.full((size * shards, 2, len(reqs)), -1, np.int32)
+    per_request = np.full((size * shards, 4, len(reqs)), -1, np.int32)
     per_request[deal >= runs] = 0
     back = np.argsort(deal)[:runs]         # stacked position of each run
     steps = np.array([r["arrival_step"] for r in reqs])
@@ -373,8 +385,20 @@ def _unfinished(trace, configs, bad):
 
 def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
           vmap_runs: int | None = None, threads: int | None = None, progress: bool = True,
-          preemption_costs=None, **axes) -> list[dict]:
+          preemption_costs=None, memory=None, slo_ttft: float | None = None,
+          slo_tpot: float | None = None, per_request: bool = False, **axes) -> list[dict]:
     """Replay `trace` under every combination of the given limit lists; one row per run.
+
+    Memory axes, vLLM's knobs: `gpu_memory_utilization` and `swap_space` (GiB), each a list
+    or spec like the others, with `memory` the model's `sizing.MemoryProfile` (or a function
+    of a run's SchedulerConfig returning one), become num_device_blocks and num_host_blocks
+    by `sizing.plan_cache`, the arithmetic `LLM` starts with; rows give both.
+    Latency objectives `slo_ttft`, `slo_tpot` (seconds with a step-time model, else steps)
+    add goodput to each row: the share of requests meeting both (an ignored request meets
+    none) and good requests per second (per step without a model). TTFT runs from the
+    arrival step to the end of the step that samples the first token; TPOT is the time
+    from that token to the last, over the tokens after the first. `per_request` adds the
+    lists ttft and tpot (None for ignored requests) to each row.
 
     Axes are any of SWEEP_FIELDS (preemption_mode, max_num_seqs, num_device_blocks,
     num_host_blocks, max_num_batched_tokens, max_model_len, watermark, delay_factor), each a
@@ -407,8 +431,11 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
     static = {f: _static_value(f, axes.pop(f)) for f in list(axes) if f in STATIC_FIELDS}
     if preemption_costs is not None:
         static["preemption_costs"] = _costs(preemption_costs)
+    memory_axes = {f: parse_values(f, axes.pop(f)) for f in MEMORY_FIELDS if f in axes}
     values = {f: parse_values(f, v) for f, v in axes.items()}
     points, configs = make_grid(dataclasses.replace(parsed.scheduler_config, **static), values)
+    if memory_axes:
+        points, configs = memory_grid(points, configs, memory_axes, memory)
     cap = sweep_capacity(parsed, configs, capacity)
     if vmap_runs is None:
         vmap_runs = len(configs) if jax.default_backend() != "cpu" else 1
@@ -427,16 +454,17 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
         if progress:
             print(f"sweep: more requests alive than {cap['num_slots'] // 2} slots; restarting with "
                   f"{cap['num_slots']} (one more compile; capacity num_slots skips this)", file=sys.stderr)
-    records, per_request = out
+    records, per_request_ = out
     arrival = np.array([r["arrival_step"] for r in parsed.requests])
-    return [_row(p, c, records[i], per_request[i], arrival, step_time_model)
+    slo = (slo_ttft, slo_tpot) if slo_ttft is not None or slo_tpot is not None else None
+    return [_row(p, c, records[i], per_request_[i], arrival, step_time_model, slo, per_request)
             for i, (p, c) in enumerate(zip(points, configs))]
 
 
-def _row(point, config, rec, per_request, arrival, model) -> dict:
+def _row(point, config, rec, per_request, arrival, model, slo=None, keep=False) -> dict:
     last = int(np.nonzero(rec[:, C_FINISHED])[0].max())
     rec = rec[:last + 1]
-    finish, reason = per_request
+    finish, reason, first, output_len = per_request
     served = reason != IGNORED
     latency = (finish - arrival)[served]
     total = lambda col: int(rec[:, col].sum())
@@ -451,7 +479,102 @@ def _row(point, config, rec, per_request, arrival, model) -> dict:
         cost = model(rec[:, C_PREFILL_TOKENS], rec[:, C_DECODE_SEQS], rec[:, C_SWAP_OUT] + rec[:, C_SWAP_IN])
         clock = np.concatenate([[0.0], np.cumsum(cost)])    # clock[t]: when step t starts
         row.update(seconds=float(clock[-1]), **_stats((clock[finish] - clock[arrival])[served], "_s"))
+    else:
+        clock = np.arange(last + 2, dtype=np.float64)     # a step is one unit
+    ttft, tpot = request_latencies(clock, arrival, first, finish, output_len, served)
+    if slo is not None:
+        good = good_requests(ttft, tpot, *slo, served=served)
+        span = row["seconds"] if model is not None else row["steps"]
+        row.update(goodput=float(good.mean()),
+                   **{"good_per_s" if model is not None else "good_per_step": float(good.sum() / span)})
+    kept = ttft[served], tpot[served]
+    row.update(ttft_mean=float(kept[0].mean()) if served.any() else None,
+               tpot_mean=float(kept[1].mean()) if served.any() else None)
+    if keep:
+        row.update(ttft=[float(x) if ok else None for x, ok in zip(ttft, served)],
+                   tpot=[float(x) if ok else None for x, ok in zip(tpot, served)])
     return row
+
+
+def request_latencies(clock, arrival, first, finish, output_len, served):
+    """(TTFT, TPOT) of every request from the step clock (clock[t]: when step t starts).
+
+    TTFT: arrival to the end of the first token's step; TPOT: from that token to the last,
+    divided by the tokens after the first (0 for a one-token output). Entries of requests not
+    `served` are 0 (use the mask).
+    """
+    at = lambda steps: clock[np.clip(np.where(served, steps, 0), 0, len(clock) - 1)]   # noqa: E731
+    first, finish, arrival = at(first + 1), at(finish + 1), at(arrival)
+    ttft = np.where(served, first - arrival, 0.0)
+    after = np.maximum(output_len - 1, 1)
+    tpot = np.where(served & (output_len > 1), (finish - first) / after, 0.0)
+    return ttft, tpot
+
+
+def good_requests(ttft, tpot, slo_ttft=None, slo_tpot=None, served=None):
+    """bool per request: served and within both objectives (None: no bound)."""
+    ok = np.ones(len(ttft), bool) if served is None else np.asarray(served, bool).copy()
+    ttft = np.asarray([np.inf if x is None else x for x in ttft], np.float64)
+    tpot = np.asarray([np.inf if x is None else x for x in tpot], np.float64)
+    if slo_ttft is not None:
+        ok &= ttft <= slo_ttft
+    if slo_tpot is not None:
+        ok &= tpot <= slo_tpot
+    return ok
+
+
+def memory_grid(points, configs, memory_axes: dict, memory):
+    """Each point under every (gpu_memory_utilization, swap_space): the block counts
+    sizing.plan_cache gives the model's memory profile, as `LLM` would start with."""
+    from jaxsched import sizing
+
+    if memory is None:
+        raise SweepError("sweep: gpu_memory_utilization / swap_space need the model's memory "
+                         "profile (memory=sizing.MemoryProfile, or --model on the command line)")
+    clash = [f for f in ("num_device_blocks", "num_host_blocks") if f in points[0]]
+    if clash:
+        raise SweepError(f"sweep: {clash[0]} and gpu_memory_utilization / swap_space both set the "
+                         f"cache; sweep one of them")
+    utils = memory_axes.get("gpu_memory_utilization", [None])
+    swaps = memory_axes.get("swap_space", [None])
+    out_points, out_configs = [], []
+    for point, config in zip(points, configs):
+        profile = memory(config) if callable(memory) else memory
+        for util, swap in itertools.product(utils, swaps):
+            try:
+                plan = sizing.plan_cache(
+                    profile, gpu_memory_utilization=0.9 if util is None else util,
+                    swap_space=4 if swap is None else swap, block_size=config.block_size,
+                    max_num_seqs=config.max_num_seqs, context_len=config.max_model_len,
+                    max_model_len=config.max_model_len,
+                    num_device_blocks=config.num_device_blocks if util is None else None,
+                    num_host_blocks=config.num_host_blocks if swap is None else None)
+            except sizing.SizingError as e:
+                where = ", ".join(f"{k}={v}" for k, v in
+                                  [*point.items(), ("gpu_memory_utilization", util), ("swap_space", swap)]
+                                  if v is not None)
+                raise SweepError(f"sweep: {where}: {e}") from None
+            p = dict(point)
+            p.update({k: v for k, v in (("gpu_memory_utilization", util), ("swap_space", swap))
+                      if v is not None})
+            p.update(num_device_blocks=plan.num_device_blocks, num_host_blocks=plan.num_host_blocks)
+            out_points.append(p)
+            out_configs.append(dataclasses.replace(config, num_device_blocks=plan.num_device_blocks,
+                                                   num_host_blocks=plan.num_host_blocks))
+    return out_points, out_configs
+
+
+def pick_smallest(rows: list[dict], min_goodput: float) -> dict | None:
+    """The smallest row whose goodput is at least `min_goodput`, or None.
+
+    Smallest by device memory (gpu_memory_utilization, else num_device_blocks), then host
+    memory (swap_space, else num_host_blocks), then max_num_seqs; the first in grid order
+    among equals."""
+    def size(row):
+        return (row.get("gpu_memory_utilization", row.get("num_device_blocks", 0)),
+                row.get("swap_space", row.get("num_host_blocks", 0)), row.get("max_num_seqs", 0))
+    meets = [r for r in rows if r.get("goodput") is not None and r["goodput"] >= min_goodput]
+    return min(meets, key=size) if meets else None
 
 
 def _stats(latency: np.ndarray, suffix: str) -> dict:

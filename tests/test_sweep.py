@@ -164,7 +164,7 @@ def test_sweep__more_requests_alive_than_slots_doubles_them_or_says_so(monkeypat
         if cap["num_slots"] < 64:
             return None
         return np.zeros((len(configs), 1, sweep_module.NUM_COLS), np.int32) + 1, \
-            np.zeros((len(configs), 2, len(trace.requests)), np.int32)
+            np.zeros((len(configs), 4, len(trace.requests)), np.int32)
     monkeypatch.setattr(sweep_module, "_replay", replay)
     sweep(TRACE, max_num_seqs=[4], progress=False)
     assert calls == [32, 64]                  # min(pow2(24 requests), ...), then doubled
