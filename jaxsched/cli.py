@@ -258,11 +258,6 @@ def _stream(llm, prompts, inputs, params, t0, quiet=False):
     return [outs[rid] for rid in order], first
 
 
-def cmd_serve(args) -> int:
-    from jaxsched.entrypoints.openai_server import run_server
-    return run_server(args)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxsched", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -297,12 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
       help="write load, first-token, compile and total seconds here")
     add_engine_args(gen, DEFAULT_ENGINE)
     gen.set_defaults(func=cmd_generate)
-    try:
-        from jaxsched.entrypoints.openai_server import register as register_serve
-    except ImportError:
-        pass
-    else:
-        register_serve(sub)
+    from jaxsched.entrypoints.openai_server import register as register_serve
+    register_serve(sub)                              # `serve`
     _show_defaults(parser)
     return parser
 
