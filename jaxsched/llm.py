@@ -69,7 +69,102 @@ class _Request:
                              self.finished, self.message)
 
 
-class LLM:
+class _FrontEnd:
+    """vLLM's offline calls over `_prepare` (check one request), `_enqueue` (queue it),
+    `step` and `output`: shared by `LLM` and the data-parallel router."""
+
+    def add_request(self, request_id: str, prompt: Prompt, params: Optional[SamplingParams] = None) -> None:
+        """Validate and queue one request.
+
+        A malformed request (bad type, empty or out-of-vocabulary prompt, bad or over-limit
+        sampling parameters, duplicate id) raises ValueError and changes nothing. A prompt
+        longer than `max_model_len` is accepted and finishes at once as "ignored", with a
+        message, as in vLLM.
+        """
+        self._enqueue(request_id, *self._prepare(request_id, prompt, params))
+
+    def _submit(self, prompts, sampling_params) -> list[str]:
+        """Check every request of a batch, then queue them all: a bad one queues none."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
+                                               and isinstance(prompts[0], (int, np.integer))):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"prompts: must be a string, a list of token ids or a list of prompts, "
+                             f"got {type(prompts).__name__}")
+        if isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != len(prompts):
+                raise ValueError(f"sampling_params: {len(sampling_params)} given for "
+                                 f"{len(prompts)} prompts; the lengths must match")
+            params = list(sampling_params)
+        else:
+            params = [sampling_params] * len(prompts)
+        ids = [f"req-{self._next + k}" for k in range(len(prompts))]
+        prepared = [self._prepare(rid, p, sp, f"prompts[{k}]")
+                    for k, (rid, p, sp) in enumerate(zip(ids, prompts, params))]
+        for rid, args in zip(ids, prepared):
+            self._enqueue(rid, *args)
+        return ids
+
+    def generate(self, prompts, sampling_params: Optional[SamplingParams] = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt; outputs in prompt order."""
+        ids = self._submit(prompts, sampling_params)
+        bar = None
+        if use_tqdm and len(ids) > 1:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(ids), desc="generate", unit="req")
+        pending = {i for i in ids if not self.output(i).finished}
+        if bar:
+            bar.update(len(ids) - len(pending))
+        while pending:
+            for out in self.step():
+                if out.finished and out.request_id in pending:
+                    pending.discard(out.request_id)
+                    if bar:
+                        bar.update(1)
+        if bar:
+            bar.close()
+        return [self.output(i) for i in ids]
+
+    def generate_stream(self, prompts, sampling_params: Optional[SamplingParams] = None
+                        ) -> Iterator[RequestOutput]:
+        """Yield each request's output so far every time it gets tokens (text is whole UTF-8)."""
+        ids = set(self._submit(prompts, sampling_params))
+        for rid in sorted(ids):
+            if self.output(rid).finished:             # ignored at submission: said once
+                yield self.output(rid)
+        while any(not self.output(i).finished for i in ids):
+            for out in self.step():
+                if out.request_id in ids:
+                    yield out
+
+    def chat(self, messages, sampling_params: Optional[SamplingParams] = None,
+             use_tqdm: bool = False, add_generation_prompt: bool = True):
+        """Render the model's own chat template and generate the assistant's reply.
+
+        `messages` is one conversation (a list of {"role", "content"} dicts), which returns
+        one RequestOutput, or a list of conversations, which returns a list, as vLLM's does.
+        """
+        if self.tokenizer is None or not self.tokenizer.chat_template:
+            raise ValueError("chat: the model has no tokenizer with a chat template")
+        batched = isinstance(messages, (list, tuple)) and bool(messages) and all(
+            isinstance(m, (list, tuple)) for m in messages)
+        conversations = list(messages) if batched else [messages]
+        prompts = []
+        for k, conv in enumerate(conversations):
+            field = f"messages[{k}]" if batched else "messages"
+            if not isinstance(conv, (list, tuple)) or not conv or not all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str)
+                    and isinstance(m.get("content"), str) for m in conv):
+                raise ValueError(f"{field}: must be a non-empty list of "
+                                 "{'role': str, 'content': str} messages")
+            text = self.tokenizer.apply_chat_template(list(conv), add_generation_prompt=add_generation_prompt)
+            prompts.append(self.tokenizer.encode(text, add_special_tokens=False))
+        outs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return outs if batched else outs[0]
+
+
+class LLM(_FrontEnd):
     """An offline engine: a model, a tokenizer, a scheduler config and a KV cache.
 
     `model` is a built-in name ("smollm2-135m", the default), a .gguf path, an HF checkpoint
@@ -85,6 +180,15 @@ class LLM:
     on a 2-core CPU: cheap swaps, so it swaps whenever the host pool has room.
     """
 
+    def __new__(cls, *args, mesh_shape=None, **kwargs):
+        # `LLM(..., mesh_shape=(D, T))` with D > 1 gives D independent engines behind a router
+        # with the same methods (DataParallelLLM is not an LLM subclass, so this object's
+        # __init__ does not run again).
+        if cls is LLM and mesh_shape is not None and mesh_shape[0] > 1:
+            from jaxsched.router import DataParallelLLM
+            return DataParallelLLM(*args, mesh_shape=mesh_shape, **kwargs)
+        return super().__new__(cls)
+
     def __init__(self, model=None, *, tokenizer=None, seed: int = 0, dtype: str = "float32",
                  attention_impl: str = "chunked", max_requests_per_step: int = 8,
                  mesh_shape: Optional[tuple[int, int]] = None, tensor_parallel_size: Optional[int] = None,
@@ -97,33 +201,13 @@ class LLM:
         _check_engine_args(engine_args)                  # bad flags fail before any loading
         sizing.check_args(gpu_memory_utilization, swap_space)
         enable_compilation_cache()                       # a second start loads, not compiles
-        from models.llama import LlamaForCausalLM
         if tensor_parallel_size is not None:
             mesh_shape = (1, tensor_parallel_size)
         data, tp = mesh_shape or (1, 1)
-        if isinstance(model, tuple):                     # weights handed down to a replica
-            model_config, tensors, instance = model
-        elif isinstance(model, LlamaForCausalLM):
-            model_config, tensors, instance = model.config, None, model
-        else:
-            from models.loader import load_weights
-            model_config, tensors, loaded_tok = load_weights(model, dtype=dtype)
-            instance, tokenizer = None, tokenizer or loaded_tok
-        self.model_config, self.tokenizer = model_config, tokenizer
-        self._replicas: list[LLM] = []
         if data > 1:
-            # Data parallel: independent engines on disjoint slices of the mesh.
-            from jaxsched.sharding import make_mesh
-            mesh = make_mesh(data, tp, devices)
-            kw = dict(tokenizer=tokenizer, seed=seed, dtype=dtype, attention_impl=attention_impl,
-                      gpu_memory_utilization=gpu_memory_utilization, swap_space=swap_space,
-                      device_memory_bytes=device_memory_bytes,
-                      max_requests_per_step=max_requests_per_step, **engine_args)
-            self._replicas = [LLM((model_config, tensors, instance), mesh_shape=(1, tp),
-                                  devices=list(mesh.devices[i].flat), **kw) for i in range(data)]
-            self.config = self._replicas[0].config
-            self._owner: dict[str, LLM] = {}
-            return
+            raise ValueError("LLM: mesh_shape with data > 1 is DataParallelLLM's; LLM(...) returns one")
+        model_config, tensors, instance, tokenizer = load_model_parts(model, tokenizer, dtype)
+        self.model_config, self.tokenizer = model_config, tokenizer
         measure = _resolve_costs(engine_args, data * tp > 1 or bool(devices))
         context = model_config.max_position_embeddings
         if engine_args.get("max_model_len", 0) > context:
@@ -261,30 +345,8 @@ class LLM:
             return
         self._queue.append(idx)
 
-    def add_request(self, request_id: str, prompt: Prompt, params: Optional[SamplingParams] = None) -> None:
-        """Validate and queue one request.
-
-        A malformed request (bad type, empty or out-of-vocabulary prompt, bad or over-limit
-        sampling parameters, duplicate id) raises ValueError and changes nothing. A prompt
-        longer than `max_model_len` is accepted and finishes at once as "ignored", with a
-        message, as in vLLM.
-        """
-        if self._replicas:
-            if request_id in self._owner:
-                raise ValueError(f"request_id {request_id!r}: duplicate id")
-            # Least load: the replica with the fewest unfinished requests takes it.
-            target = min(self._replicas, key=lambda r: sum(not q.finished for q in r._requests.values()))
-            target.add_request(request_id, prompt, params)
-            self._owner[request_id] = target
-            return
-        self._enqueue(request_id, *self._prepare(request_id, prompt, params))
-
     def abort(self, request_id: str) -> None:
         """Stop a request wherever it is; its blocks are freed at once."""
-        if self._replicas:
-            if request_id in self._owner:
-                self._owner[request_id].abort(request_id)
-            return
         idx = self._by_id.get(request_id)
         if idx is None or self._requests[idx].finished:
             return
@@ -298,31 +360,20 @@ class LLM:
         self.state = self.state.replace(sched=abort_slots(sched, mask))
 
     def has_unfinished(self) -> bool:
-        if self._replicas:
-            return any(r.has_unfinished() for r in self._replicas)
         return any(not r.finished for r in self._requests.values())
 
     def num_queued(self) -> int:
         """Requests added but not yet handed to the engine (the host-side waiting queue)."""
-        if self._replicas:
-            return sum(r.num_queued() for r in self._replicas)
         return len(self._queue)
 
     def release(self, request_id: str) -> None:
         """Forget a finished request, so a long-running server's memory stays bounded."""
-        if self._replicas:
-            owner = self._owner.pop(request_id, None)
-            if owner is not None:
-                owner.release(request_id)
-            return
         idx = self._by_id.get(request_id)
         if idx is not None and self._requests[idx].finished:
             del self._by_id[request_id], self._requests[idx]
 
     def output(self, request_id: str) -> RequestOutput:
         """The request's output so far."""
-        if self._replicas:
-            return self._owner[request_id].output(request_id)
         return self._requests[self._by_id[request_id]].output()
 
     def _finish(self, req: _Request, reasons, message=None):
@@ -384,15 +435,18 @@ class LLM:
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the requests that advanced or finished."""
-        if self._replicas:
-            return [o for r in self._replicas if r.has_unfinished() for o in r.step()]
         new, _ = self._new_requests()
         start = time.perf_counter()
         self.state, out = self._step(self.state, self.params, new, jnp.float32(time.monotonic() - self._t0))
         out = jax.device_get(out)
         elapsed = time.perf_counter() - start
-        if self._stats["steps"] == 0:
-            self._compile = elapsed          # the first step compiles the engine
+        compiled = getattr(self._step, "compile_seconds", None)
+        if compiled is not None:
+            # A LazyStep times its compiling calls (each bucket's first); the rest is busy time.
+            self._busy += max(elapsed - (compiled - self._compile), 0.0)
+            self._compile = compiled
+        elif self._stats["steps"] == 0:
+            self._compile = elapsed          # the first step compiles the whole switch step
         else:
             self._busy += elapsed
         return self._absorb(out)
@@ -409,8 +463,8 @@ class LLM:
         self._peak[0] = max(self._peak[0], self.config.num_device_blocks - int(out.num_free_device_blocks))
         self._peak[1] = max(self._peak[1], self.config.num_host_blocks - int(out.num_free_host_blocks))
         changed = []
-        if st["steps"] == 1:
-            self._first_tokens = int(out.has_token.sum())
+        if st["steps"] == 1 and not hasattr(self._step, "compile_seconds"):
+            self._first_tokens = int(out.has_token.sum())   # their step's time was the compile
         for slot in np.nonzero(out.has_token.any(1) | out.finished)[0]:
             req = self._requests.get(int(out.request_index[slot]))
             if req is None or req.finished:
@@ -469,57 +523,6 @@ class LLM:
             req.text_stopped.add(i)
 
     # -------------------------------------------------------------- front ends
-    def _submit(self, prompts, sampling_params) -> list[str]:
-        """Check every request of a batch, then queue them all: a bad one queues none."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
-                                               and isinstance(prompts[0], (int, np.integer))):
-            prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)):
-            raise ValueError(f"prompts: must be a string, a list of token ids or a list of prompts, "
-                             f"got {type(prompts).__name__}")
-        if isinstance(sampling_params, (list, tuple)):
-            if len(sampling_params) != len(prompts):
-                raise ValueError(f"sampling_params: {len(sampling_params)} given for "
-                                 f"{len(prompts)} prompts; the lengths must match")
-            params = list(sampling_params)
-        else:
-            params = [sampling_params] * len(prompts)
-        base = sum(len(r._requests) for r in self._replicas) if self._replicas else self._next
-        ids = [f"req-{base + k}" for k in range(len(prompts))]
-        if self._replicas:
-            checker = self._replicas[0]
-            prepared = [checker._prepare(rid, p, sp, f"prompts[{k}]")
-                        for k, (rid, p, sp) in enumerate(zip(ids, prompts, params))]
-            for rid, (text, tokens, sp) in zip(ids, prepared):
-                self.add_request(rid, tokens if text is None else text, sp)
-            return ids
-        prepared = [self._prepare(rid, p, sp, f"prompts[{k}]")
-                    for k, (rid, p, sp) in enumerate(zip(ids, prompts, params))]
-        for rid, args in zip(ids, prepared):
-            self._enqueue(rid, *args)
-        return ids
-
-    def generate(self, prompts, sampling_params: Optional[SamplingParams] = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for every prompt; outputs in prompt order."""
-        ids = self._submit(prompts, sampling_params)
-        bar = None
-        if use_tqdm and len(ids) > 1:
-            from tqdm.auto import tqdm
-            bar = tqdm(total=len(ids), desc="generate", unit="req")
-        pending = {i for i in ids if not self.output(i).finished}
-        if bar:
-            bar.update(len(ids) - len(pending))
-        while pending:
-            for out in self.step():
-                if out.finished and out.request_id in pending:
-                    pending.discard(out.request_id)
-                    if bar:
-                        bar.update(1)
-        if bar:
-            bar.close()
-        return [self.output(i) for i in ids]
-
     def warm_up(self) -> float:
         """Compile and run every token bucket once before serving; returns the seconds it took.
 
@@ -535,10 +538,6 @@ class LLM:
         `stats` counts their steps and tokens like any others.
         """
         start = time.perf_counter()
-        if self._replicas:
-            for replica in self._replicas:
-                replica.warm_up()
-            return time.perf_counter() - start
         cfg = self.config
         longest = min(cfg.max_model_len - 1, cfg.max_num_batched_tokens)
         greedy = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -559,59 +558,12 @@ class LLM:
                 self.step()
         return time.perf_counter() - start
 
-    def generate_stream(self, prompts, sampling_params: Optional[SamplingParams] = None
-                        ) -> Iterator[RequestOutput]:
-        """Yield each request's output so far every time it gets tokens (text is whole UTF-8)."""
-        ids = set(self._submit(prompts, sampling_params))
-        for rid in sorted(ids):
-            if self.output(rid).finished:             # ignored at submission: said once
-                yield self.output(rid)
-        while any(not self.output(i).finished for i in ids):
-            for out in self.step():
-                if out.request_id in ids:
-                    yield out
-
-    def chat(self, messages, sampling_params: Optional[SamplingParams] = None,
-             use_tqdm: bool = False, add_generation_prompt: bool = True):
-        """Render the model's own chat template and generate the assistant's reply.
-
-        `messages` is one conversation (a list of {"role", "content"} dicts), which returns
-        one RequestOutput, or a list of conversations, which returns a list, as vLLM's does.
-        """
-        if self.tokenizer is None or not self.tokenizer.chat_template:
-            raise ValueError("chat: the model has no tokenizer with a chat template")
-        batched = isinstance(messages, (list, tuple)) and bool(messages) and all(
-            isinstance(m, (list, tuple)) for m in messages)
-        conversations = list(messages) if batched else [messages]
-        prompts = []
-        for k, conv in enumerate(conversations):
-            field = f"messages[{k}]" if batched else "messages"
-            if not isinstance(conv, (list, tuple)) or not conv or not all(
-                    isinstance(m, dict) and isinstance(m.get("role"), str)
-                    and isinstance(m.get("content"), str) for m in conv):
-                raise ValueError(f"{field}: must be a non-empty list of "
-                                 "{'role': str, 'content': str} messages")
-            text = self.tokenizer.apply_chat_template(list(conv), add_generation_prompt=add_generation_prompt)
-            prompts.append(self.tokenizer.encode(text, add_special_tokens=False))
-        outs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
-        return outs if batched else outs[0]
-
     def stats(self) -> dict:
-        if self._replicas:
-            # Replicas step one after another in this process: rates add up over summed time.
-            parts = [r.stats() for r in self._replicas]
-            total = {k: sum(p[k] for p in parts) for k in parts[0]}
-            for k in ("peak_device_blocks", "peak_host_blocks", "steps", "compile_seconds"):
-                total[k] = max(p[k] for p in parts)
-            total["tokens_per_s"] = round(sum(p["tokens_per_s"] * p["engine_seconds"] for p in parts)
-                                          / max(total["engine_seconds"], 1e-9), 1)
-            total["replicas"] = len(parts)
-            return total
         st = self._stats
         elapsed = max(self._busy, 1e-9)
         return {
             "steps": st["steps"], "output_tokens": st["output_tokens"],
-            # Throughput of the steps after the first, which includes compiling the engine.
+            # Throughput of the steps that compiled nothing.
             "tokens_per_s": round((st["output_tokens"] - self._first_tokens) / elapsed, 1),
             "preempted_recompute": st["preempted_recompute"], "preempted_swap": st["preempted_swap"],
             "blocks_swapped_out": st["blocks_swapped_out"], "blocks_swapped_in": st["blocks_swapped_in"],
@@ -619,6 +571,21 @@ class LLM:
             "peak_device_blocks": self._peak[0], "peak_host_blocks": self._peak[1],
             "engine_seconds": round(elapsed, 2), "compile_seconds": round(self._compile, 1),
         }
+
+
+def load_model_parts(model, tokenizer, dtype):
+    """(model config, HF-named host tensors or None, a ready model or None, tokenizer) for a
+    name, a path, a ready `LlamaForCausalLM`, or weights handed down as that tuple's first three."""
+    from models.llama import LlamaForCausalLM
+    if isinstance(model, tuple):
+        model_config, tensors, instance = model
+    elif isinstance(model, LlamaForCausalLM):
+        model_config, tensors, instance = model.config, None, model
+    else:
+        from models.loader import load_weights
+        model_config, tensors, loaded = load_weights(model, dtype=dtype)
+        instance, tokenizer = None, tokenizer or loaded
+    return model_config, tensors, instance, tokenizer
 
 
 def _check_engine_args(engine_args: dict) -> SchedulerConfig:
@@ -631,6 +598,8 @@ def _check_engine_args(engine_args: dict) -> SchedulerConfig:
         args.pop("preemption_costs")                  # a file or "measure": resolved later
     args.setdefault("max_num_batched_tokens", max(512, args.get("max_num_seqs", 16)))
     args.setdefault("max_model_len", min(512, args["max_num_batched_tokens"]))
+    for key in ("num_device_blocks", "num_host_blocks"):   # sized at start-up: a stand-in
+        args.setdefault(key, args.get(f"{key}_capacity") or 1)
     return SchedulerConfig(**args)
 
 

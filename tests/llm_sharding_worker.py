@@ -39,14 +39,15 @@ def main():
             stats = llm.stats()
             run = {"tokens": [[c.token_ids for c in o.outputs] for o in outs],
                    "preempted": stats["preempted_recompute"] + stats["preempted_swap"]}
-            engine = llm._replicas[0] if llm._replicas else llm
+            replicas = getattr(llm, "replicas", [])       # a DataParallelLLM's engines
+            engine = replicas[0] if replicas else llm
             run["kv_spec"] = str(engine.state.kv.k.sharding.spec) if hasattr(engine.state.kv.k.sharding, "spec") else None
             run["kv_shard_shapes"] = sorted({tuple(s.data.shape) for s in engine.state.kv.k.addressable_shards})
             q = engine.params["model"]["layers"]["self_attn"]["q_proj"]["kernel"]
             q = q.get_value() if hasattr(q, "get_value") else q.value
             run["q_shard_shapes"] = sorted({tuple(s.data.shape) for s in q.addressable_shards})
             run["replica_devices"] = [sorted({s.device.id for s in r.state.kv.k.addressable_shards})
-                                      for r in llm._replicas]
+                                      for r in replicas]
             report["runs"][f"{name}-{mode}"] = run
     try:
         LLM(model, tensor_parallel_size=3, **ENGINE)
