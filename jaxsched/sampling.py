@@ -15,9 +15,9 @@ identity under the engine key; the sequence's index within the request; the posi
 token will take in the sequence) and of nothing else -- not the step, the slot, the batch
 row or the other rows in the batch::
 
-    base  = PRNGKey(seed)                        if the request has a seed
-          = fold_in(engine_key, request_id_hash) otherwise
-    key   = fold_in(fold_in(base, seq_index), position)
+    base  = PRNGKey(seed) = (0, seed)                    if the request has a seed
+          = (0x9E3779B9 ^ engine seed, request index)    otherwise (LLM._new_requests)
+    key   = fold_in(fold_in(base, seq_index), position)  (token_key)
 
 and a row's token depends only on its logits, its parameters and its key. So a sequence
 recomputed after a preemption samples exactly the tokens it sampled before. Keys are raw
@@ -25,123 +25,12 @@ recomputed after a preemption samples exactly the tokens it sampled before. Keys
 """
 from __future__ import annotations
 
-import math
-import zlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
 
 SAMPLING_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below it means greedy
-_SEED_LIMIT = 2**32  # seeds are stored as uint32
-
-
-@struct.dataclass
-class SamplingArrays:
-    """Sampling parameters per request slot (G = num_slots); all leaves are arrays.
-
-    Attributes:
-      temperature: float32[G]  < SAMPLING_EPS => greedy (argmax).
-      top_k: int32[G]          <= 0 (or >= vocab) => disabled.
-      top_p: float32[G]        1.0 => disabled.
-      min_p: float32[G]        0.0 => disabled.
-      seed: uint32[G]          the request's seed; read only where `has_seed`.
-      has_seed: bool[G]        False => the key comes from the engine key and `request_hash`.
-      request_hash: uint32[G]  `request_id_hash(request_id)`: stable across processes.
-    """
-    temperature: jax.Array
-    top_k: jax.Array
-    top_p: jax.Array
-    min_p: jax.Array
-    seed: jax.Array
-    has_seed: jax.Array
-    request_hash: jax.Array
-
-
-def init_sampling_arrays(num_slots: int) -> SamplingArrays:
-    """Greedy, unseeded parameters for `num_slots` empty slots."""
-    return SamplingArrays(
-        temperature=jnp.zeros(num_slots, jnp.float32), top_k=jnp.full(num_slots, -1, jnp.int32),
-        top_p=jnp.ones(num_slots, jnp.float32), min_p=jnp.zeros(num_slots, jnp.float32),
-        seed=jnp.zeros(num_slots, jnp.uint32), has_seed=jnp.zeros(num_slots, bool),
-        request_hash=jnp.zeros(num_slots, jnp.uint32))
-
-
-def request_id_hash(request_id: str) -> int:
-    """A uint32 hash of a request id. CRC32, not `hash()`: Python salts str hashes per process."""
-    return zlib.crc32(request_id.encode("utf-8"))
-
-
-def make_sampling_arrays(requests: list[dict]) -> SamplingArrays:
-    """Host side: validate N requests' parameters and pack them as a SamplingArrays of N rows.
-
-    Each dict has an `id` and optionally vLLM's `temperature` (1.0), `top_k` (-1),
-    `top_p` (1.0), `min_p` (0.0) and `seed` (None).
-    """
-    cols = {name: [r.get(name, default) for r in requests] for name, default in
-            (("temperature", 1.0), ("top_k", -1), ("top_p", 1.0), ("min_p", 0.0), ("seed", None))}
-    validate_sampling_params(**cols)
-    return SamplingArrays(
-        temperature=jnp.asarray(cols["temperature"], jnp.float32).reshape(-1),
-        top_k=jnp.asarray(cols["top_k"], jnp.int32).reshape(-1),
-        top_p=jnp.asarray(cols["top_p"], jnp.float32).reshape(-1),
-        min_p=jnp.asarray(cols["min_p"], jnp.float32).reshape(-1),
-        seed=jnp.asarray([s or 0 for s in cols["seed"]], jnp.uint32).reshape(-1),
-        has_seed=jnp.asarray([s is not None for s in cols["seed"]], bool).reshape(-1),
-        request_hash=jnp.asarray([request_id_hash(r["id"]) for r in requests],
-                                 jnp.uint32).reshape(-1))
-
-
-def write_slots(arrays: SamplingArrays, slots: jax.Array, rows: SamplingArrays) -> SamplingArrays:
-    """Write `rows` (N rows) into `slots` (int32[N]); out-of-range slots (padding) are dropped."""
-    return jax.tree.map(lambda a, r: a.at[slots].set(r, mode="drop"), arrays, rows)
-
-
-def validate_sampling_params(temperature, top_k, top_p, min_p, seed=None) -> None:
-    """Host-side check, vLLM's limits. Each argument is a scalar or a sequence (one per request).
-
-    Raises ValueError naming the field, the limit and the offending value.
-    """
-    checks = (
-        ("temperature", temperature, lambda t: math.isfinite(t) and t >= 0,
-         "must be finite and >= 0"),
-        ("top_k", top_k, lambda k: float(k).is_integer() and (k >= 1 or k in (0, -1)),
-         "must be -1 or 0 (disabled) or an integer >= 1"),
-        ("top_p", top_p, lambda p: 0 < p <= 1, "must be in (0, 1]"),
-        ("min_p", min_p, lambda p: 0 <= p <= 1, "must be in [0, 1]"),
-        ("seed", seed, lambda s: s is None or (float(s).is_integer() and 0 <= s < _SEED_LIMIT),
-         f"must be None or an integer in [0, {_SEED_LIMIT})"),
-    )
-    for name, values, ok, limit in checks:
-        for i, v in enumerate(np.ravel(np.asarray(values, dtype=object))):
-            if not _passes(ok, v):
-                where = "" if np.ndim(values) == 0 else f"[{i}]"
-                raise ValueError(f"{name}{where} {limit}, got {v!r}")
-
-
-def _passes(ok, value) -> bool:
-    """ok(value), with bools and non-numbers (strings, None where a number is due) failing."""
-    if isinstance(value, (bool, np.bool_)):
-        return False
-    try:
-        return bool(ok(value))
-    except (TypeError, ValueError, OverflowError):
-        return False
-
-
-def request_base_key(engine_key: jax.Array, seed: jax.Array, has_seed: jax.Array,
-                     request_hash: jax.Array) -> jax.Array:
-    """One request's base key: PRNGKey(seed) if seeded, else fold_in(engine_key, request_hash).
-
-    Scalars in, uint32[2] out; vmap for rows. A typed `jax.random.key` engine key is unwrapped
-    to its raw data so both branches have one type.
-    """
-    if jax.dtypes.issubdtype(engine_key.dtype, jax.dtypes.prng_key):
-        engine_key = jax.random.key_data(engine_key)
-    seeded = jax.random.PRNGKey(jnp.asarray(seed, jnp.uint32))
-    derived = jax.random.fold_in(engine_key, jnp.asarray(request_hash, jnp.uint32))
-    return jnp.where(has_seed, seeded, derived)
 
 
 def token_key(base_key: jax.Array, seq_index: jax.Array, position: jax.Array) -> jax.Array:
@@ -259,23 +148,6 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
         return tokens, jnp.zeros(tokens.shape, jnp.float32)
     picked = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
     return tokens, picked - jax.nn.logsumexp(logits, axis=-1)
-
-
-def sample_slots(arrays: SamplingArrays, engine_key: jax.Array, slot: jax.Array,
-                 seq_index: jax.Array, position: jax.Array, logits: jax.Array,
-                 want_logprobs: bool = True) -> tuple[jax.Array, jax.Array]:
-    """Sample row r of `logits` [R, V] with the parameters of `slot[r]` (int32[R]).
-
-    seq_index: int32[R], the sequence's index within its request. position: int32[R], the
-    index the sampled token takes in its sequence (prompt + outputs so far). Padding rows may
-    use any in-range slot; their tokens are meaningless and cost one row of work.
-    """
-    rows = jax.tree.map(lambda a: a[slot], arrays)
-    base = jax.vmap(request_base_key, in_axes=(None, 0, 0, 0))(
-        engine_key, rows.seed, rows.has_seed, rows.request_hash)
-    keys = jax.vmap(token_key)(base, seq_index, position)
-    return sample(logits, rows.temperature, rows.top_k, rows.top_p, rows.min_p, keys,
-                  want_logprobs)
 
 
 def apply_penalties(logits: jax.Array, prompt_tokens: jax.Array, seq_tokens: jax.Array,
