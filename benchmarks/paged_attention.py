@@ -30,8 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from _common import save_results, time_interleaved
-from jaxsched import kv_cache as kc
-from jaxsched.attention import AttentionMetadata, paged_attention
+from jaxsched.cache import kv_cache as kc
+from jaxsched.cache.attention import AttentionMetadata, paged_attention
 
 jax.config.update("jax_cpu_enable_async_dispatch", False)
 

@@ -4,7 +4,7 @@
 
 1. Cost model: `LLM.measure_preemption_costs` times the model's paged forward prefilling
    16, 64, 128 and 256 tokens and the cache's swap_out + swap_in of 1, 4, 8 and 16 blocks
-   (median of 3 after a warm-up each), fits `cost_model.PreemptionCosts` and saves it to
+   (median of 3 after a warm-up each), fits `core.costs.PreemptionCosts` and saves it to
    benchmarks/results/preemption_costs_cpu.json.
 2. Workload (seed 0): 16 requests of random token ids, prompts 32-128 tokens, outputs 16-48
    tokens with `ignore_eos` (every run does the same work), greedy, every fourth request
@@ -41,8 +41,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from _common import save_results  # noqa: E402
-from jaxsched.llm import LLM  # noqa: E402
-from jaxsched.params import SamplingParams  # noqa: E402
+from jaxsched.entrypoints.llm import LLM  # noqa: E402
+from jaxsched.engine.params import SamplingParams  # noqa: E402
 from models.loader import build_model, load_weights  # noqa: E402
 
 jax.config.update("jax_cpu_enable_async_dispatch", False)

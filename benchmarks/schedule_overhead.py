@@ -45,8 +45,8 @@ import numpy as np  # noqa: E402
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))      # this checkout's jaxsched
 
-from jaxsched.reference import ReferenceScheduler  # noqa: E402
-from jaxsched.reference import SchedulerConfig as ReferenceConfig  # noqa: E402
+from jaxsched.sim.reference import ReferenceScheduler  # noqa: E402
+from jaxsched.sim.reference import SchedulerConfig as ReferenceConfig  # noqa: E402
 
 from jaxsched import SchedulerConfig, add_requests, init_state, make_batch, schedule_step, update  # noqa: E402
 

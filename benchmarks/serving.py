@@ -34,6 +34,7 @@ import httpx
 import numpy as np
 
 from _common import save_results
+from jaxsched.entrypoints.openai_server import wait_until_healthy
 
 SUITE_ENGINE = ["--block-size", "16", "--max-num-seqs", "16", "--num-slots", "32",
                 "--max-num-batched-tokens", "128", "--max-model-len", "512"]
@@ -138,17 +139,11 @@ def _start_server(flags: list[str]):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "jaxsched.cli", "serve", "--host", "127.0.0.1",
+    proc = subprocess.Popen([sys.executable, "-m", "jaxsched.entrypoints.cli", "serve", "--host", "127.0.0.1",
                              "--port", str(port), *flags], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 1200
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
+    if wait_until_healthy(base, proc, 1200):
+        return proc, base
     proc.kill()
     raise RuntimeError("jaxsched serve did not become healthy")
 

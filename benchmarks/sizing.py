@@ -12,7 +12,7 @@
    measured weights and working memory. Requests join at their arrival step; each step is
    timed. One compiled capacity serves every run (pool capacities fixed at the largest).
 4. A StepTimeModel (seconds = a + b * tokens run + d * blocks swapped) is fitted to every
-   timed step of every run, the planner (`jaxsched.sweep` in memory units, the same
+   timed step of every run, the planner (`jaxsched.sim.sweep` in memory units, the same
    arithmetic) predicts each row with it, and its pick for `MIN_GOODPUT` under the
    objectives (1.5x the largest configuration's measured p90 TTFT and TPOT) is run once more
    for real. The table states the model's error: measured against predicted mean TTFT.
@@ -111,9 +111,9 @@ def latencies(result, reqs, clock):
 
 
 def main():
-    from jaxsched.sizing import profile_model
-    from jaxsched.sweep import good_requests, pick_smallest, sweep
-    from jaxsched.workload import StepTimeModel
+    from jaxsched.engine.sizing import profile_model
+    from jaxsched.sim.sweep import good_requests, pick_smallest, sweep
+    from jaxsched.sim.workload import StepTimeModel
     from models.loader import build_model, load_weights
 
     t0 = time.perf_counter()
@@ -187,7 +187,7 @@ def main():
 
 
 def _cfg(engine):
-    from jaxsched.config import SchedulerConfig
+    from jaxsched.core.config import SchedulerConfig
     return SchedulerConfig(**{k: v for k, v in engine.items() if k not in ("num_slots",)})
 
 

@@ -3,7 +3,7 @@ to the end, with an empty compilation cache (cold) and again with the cache it f
 
     python benchmarks/startup.py [--json] [--runs N] [--quick] [-- extra generate flags]
 
-Each run is a fresh `python -m jaxsched.cli generate --quiet --timing-json ...` subprocess
+Each run is a fresh `python -m jaxsched.entrypoints.cli generate --quiet --timing-json ...` subprocess
 with the default model (SmolLM2-135M) and the built-in prompts. Cold runs get a new empty
 directory as `JAXSCHED_COMPILATION_CACHE_DIR`; the warm run after each reuses it. Reported
 per run: load_s (weights read and placed), first_token_s and total_s (from process start, as
@@ -40,7 +40,7 @@ def run_once(cache_dir: str, extra: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         timing = pathlib.Path(tmp) / "timing.json"
         env = {**os.environ, "JAXSCHED_COMPILATION_CACHE_DIR": cache_dir}
-        cmd = [sys.executable, "-m", "jaxsched.cli", "generate", "--quiet", "--timing-json", str(timing), *extra]
+        cmd = [sys.executable, "-m", "jaxsched.entrypoints.cli", "generate", "--quiet", "--timing-json", str(timing), *extra]
         start = time.perf_counter()
         # RUSAGE_CHILDREN keeps the largest child this process ever had, so each run's peak is
         # read in a throwaway parent of its own.

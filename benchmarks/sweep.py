@@ -7,9 +7,9 @@ prompts of ~60 and outputs of ~25 tokens, 20% of requests with n in 2..4), swept
 num_device_blocks 128..240 (step 16) x max_num_seqs {24, 32, 48, 64} x {recompute, swap}:
 
   reference:        jaxsched/reference.py's `simulate_reference`, one run per config
-  simulate:         `jaxsched.simulate` per config, all sharing the sweep's static capacity
+  simulate:         `jaxsched.sim.simulate` per config, all sharing the sweep's static capacity
                     (one compile, timed apart); --simulate-runs of them timed, extrapolated
-  sweep (loop):     `jaxsched.sweep`, all 64 runs in one jitted call per chunk of steps, a
+  sweep (loop):     `jaxsched.sim.sweep`, all 64 runs in one jitted call per chunk of steps, a
                     `lax.map` over runs (the CPU default, vmap_runs=1); once with one shard
                     of runs per CPU core on host threads (the CPU default), once on one thread
   sweep (vmap):     the same with one `jax.vmap` over all 64 runs (vmap_runs=64); its cost
@@ -37,13 +37,13 @@ os.environ.setdefault("XLA_FLAGS", "--xla_cpu_enable_concurrency_optimized_sched
 import jax  # noqa: E402
 
 from jaxsched import simulate  # noqa: E402
-from jaxsched.cli_sweep import markdown_table, plot_results  # noqa: E402
-from jaxsched.sweep import (CHUNK_STEPS, default_threads, make_grid, parse_values, sweep,
+from jaxsched.entrypoints.cli_sweep import markdown_table, plot_results  # noqa: E402
+from jaxsched.sim.sweep import (CHUNK_STEPS, default_threads, make_grid, parse_values, sweep,
                              sweep_capacity)  # noqa: E402
-from jaxsched.trace import parse_trace  # noqa: E402
-from jaxsched.workload import LogNormal, generate_trace  # noqa: E402
+from jaxsched.sim.trace import parse_trace  # noqa: E402
+from jaxsched.sim.workload import LogNormal, generate_trace  # noqa: E402
 
-from jaxsched.reference import simulate_reference  # noqa: E402
+from jaxsched.sim.reference import simulate_reference  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 TRACE = dict(num_requests=500, rate=0.5, prompt=LogNormal(4.0, 0.6), output=LogNormal(3.2, 0.6),
@@ -96,10 +96,10 @@ def time_sweeps(trace: dict, runs: int, vmap_chunks: int):
     part_vmap, _ = timed_sweep(trace, runs, 1, max_steps=CHUNK_STEPS * vmap_chunks)
     per_chunk = part_vmap / vmap_chunks
     return rows, [
-        (f"jaxsched.sweep, lax.map over runs, {threads} threads (CPU default)", loop_s,
+        (f"jaxsched.sim.sweep, lax.map over runs, {threads} threads (CPU default)", loop_s,
          compile_loop - loop_s / chunks, f"all {runs} runs, {chunks} chunks"),
-        ("jaxsched.sweep, lax.map over runs, 1 thread", one_s, None, f"all {runs} runs, {chunks} chunks"),
-        (f"jaxsched.sweep, one jax.vmap over {runs} runs", per_chunk * chunks, first_vmap - per_chunk,
+        ("jaxsched.sim.sweep, lax.map over runs, 1 thread", one_s, None, f"all {runs} runs, {chunks} chunks"),
+        (f"jaxsched.sim.sweep, one jax.vmap over {runs} runs", per_chunk * chunks, first_vmap - per_chunk,
          f"{vmap_chunks} of {chunks} chunks timed"),
     ]
 
@@ -124,7 +124,7 @@ def time_sequential(trace: dict, rows: list[dict], capacity: dict, reference_run
     return [
         ("Python reference, sequential", mean(ref_times) * runs, None,
          f"{len(ref_times)} of {runs} runs timed"),
-        ("jaxsched.simulate, sequential", mean(sim_times[1:]) * runs, sim_times[0] - sim_times[1],
+        ("jaxsched.sim.simulate, sequential", mean(sim_times[1:]) * runs, sim_times[0] - sim_times[1],
          f"{len(sim_times) - 1} of {runs} runs timed, one shared compile"),
     ]
 

@@ -19,7 +19,7 @@ then `time.perf_counter()` around `llm.generate(..., use_tqdm=False)`, the timed
   small/swap:       the same, preempted groups move their blocks to host memory and back
   small/default:    the same, vLLM's default (preemption_mode=None): recompute for n=1, swap for n>1
   small/auto:       the same, preemption_mode="auto": each victim by cost, with the default
-                    cost model (cost_model.DEFAULT_COSTS, measured for SmolLM2 on CPU)
+                    cost model (core.costs.DEFAULT_COSTS, measured for SmolLM2 on CPU)
 
 Columns: output tokens/s and requests/s of the timed generate (wall clock), and output tokens
 per CPU-second of this process (steadier than wall clock on a shared machine); preemptions and
@@ -60,8 +60,8 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from _common import save_results  # noqa: E402
-from jaxsched.llm import LLM  # noqa: E402
-from jaxsched.params import SamplingParams  # noqa: E402
+from jaxsched.entrypoints.llm import LLM  # noqa: E402
+from jaxsched.engine.params import SamplingParams  # noqa: E402
 from models.llama import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 jax.config.update("jax_cpu_enable_async_dispatch", False)

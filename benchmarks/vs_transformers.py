@@ -111,8 +111,8 @@ def worker_jaxsched(spec: dict) -> dict:
     import jax
 
     jax.config.update("jax_cpu_enable_async_dispatch", False)
-    from jaxsched.llm import LLM
-    from jaxsched.params import SamplingParams
+    from jaxsched.entrypoints.llm import LLM
+    from jaxsched.engine.params import SamplingParams
 
     start = time.perf_counter()
     llm = LLM("smollm2-135m", **spec["engine_args"])

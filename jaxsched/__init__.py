@@ -13,17 +13,17 @@
 The front end (`LLM`, `SamplingParams`, `RequestOutput`, `CompletionOutput`) is imported on
 first use, so the scheduler alone does not load Flax or the model code.
 """
-from jaxsched.config import Capacity, SchedulerConfig
-from jaxsched.invariants import InvariantError, check_invariants
-from jaxsched.requests import RequestBatch, abort, add_requests, free_finished, make_batch, update
-from jaxsched.scheduler import SchedulerOutput, schedule, schedule_step
-from jaxsched.simulate import simulate, summarize
-from jaxsched.state import Limits, SchedulerState, init_state, set_limits
-from jaxsched.trace import TraceError, load_trace, parse_trace
-from jaxsched.sweep import sweep  # noqa: E402  (the function; the module stays importable by path)
+from jaxsched.core.config import Capacity, SchedulerConfig
+from jaxsched.core.invariants import InvariantError, check_invariants
+from jaxsched.core.requests import RequestBatch, abort, add_requests, free_finished, make_batch, update
+from jaxsched.core.scheduler import SchedulerOutput, schedule, schedule_step
+from jaxsched.sim.simulate import simulate, summarize
+from jaxsched.core.state import Limits, SchedulerState, init_state, set_limits
+from jaxsched.sim.trace import TraceError, load_trace, parse_trace
+from jaxsched.sim.sweep import sweep  # noqa: E402  (the function; the module stays importable by path)
 
-_FRONT_END = {"LLM": "jaxsched.llm", "SamplingParams": "jaxsched.params",
-              "RequestOutput": "jaxsched.params", "CompletionOutput": "jaxsched.params"}
+_FRONT_END = {"LLM": "jaxsched.entrypoints.llm", "SamplingParams": "jaxsched.engine.params",
+              "RequestOutput": "jaxsched.engine.params", "CompletionOutput": "jaxsched.engine.params"}
 
 
 def __getattr__(name: str):

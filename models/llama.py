@@ -26,8 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxsched.attention import AttentionMetadata, StepKV, Visibility, paged_attention, step_visibility
-from jaxsched.kv_cache import KVCache, write_kv
+from jaxsched.cache.attention import AttentionMetadata, StepKV, Visibility, paged_attention, step_visibility
+from jaxsched.cache.kv_cache import KVCache, write_kv
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -327,7 +327,7 @@ def paged_forward_new_kv(graphdef, params, tokens, positions, metadata: Attentio
     """`paged_forward` that leaves the cache alone: (logits, (k, v)), this step's K/V [L, T, H_kv, D].
 
     The engine's forward: it writes the K/V itself, outside its token-bucket `lax.switch`,
-    so the pools stay read-only inside the branches (see jaxsched.attention).
+    so the pools stay read-only inside the branches (see jaxsched.cache.attention).
     """
     model = nnx.merge(graphdef, params)
     hidden, k, v, _ = model.paged(tokens, positions, metadata, kv_cache, impl)

@@ -14,8 +14,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from jaxsched.llm import LLM  # noqa: E402
-from jaxsched.params import SamplingParams  # noqa: E402
+from jaxsched.entrypoints.llm import LLM  # noqa: E402
+from jaxsched.engine.params import SamplingParams  # noqa: E402
 from models.llama import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 CONFIG = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -21,7 +21,7 @@ from flax import nnx  # noqa: E402
 
 from jaxsched import kv_cache as kc  # noqa: E402
 from jaxsched import sharding as sh  # noqa: E402
-from jaxsched.attention import make_metadata  # noqa: E402
+from jaxsched.cache.attention import make_metadata  # noqa: E402
 from models import llama  # noqa: E402
 
 jax.config.update("jax_cpu_enable_async_dispatch", False)

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from jaxsched import block_pool as bp
+from jaxsched.core import block_pool as bp
 
 
 @settings(max_examples=60, deadline=None)

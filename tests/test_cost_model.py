@@ -11,13 +11,13 @@ import pytest
 from flax import nnx
 
 from jaxsched import SchedulerConfig, schedule_step, simulate
-from jaxsched.config import PREEMPT_COST, PREEMPT_DEFAULT, PREEMPT_RECOMPUTE, PREEMPT_SWAP
-from jaxsched.cost_model import (DEFAULT_COSTS, PreemptionCosts, fit, measure_preemption_costs,
-                                 recompute_seconds, swap_seconds)
-from jaxsched.preemption import choose_modes
-from jaxsched.state import init_state
+from jaxsched.core.config import PREEMPT_COST, PREEMPT_DEFAULT, PREEMPT_RECOMPUTE, PREEMPT_SWAP
+from jaxsched.core.costs import DEFAULT_COSTS, PreemptionCosts, fit, recompute_seconds, swap_seconds
+from jaxsched.engine.cost_measure import measure_preemption_costs
+from jaxsched.core.preemption import choose_modes
+from jaxsched.core.state import init_state
 from conftest import TEST_CAPACITY, drive, make_config, make_requests
-from jaxsched.reference import simulate_reference
+from jaxsched.sim.reference import simulate_reference
 from test_differential import assert_same_decisions
 
 # Integer costs: every sum and product is exact in float32, so the jitted scheduler and the
@@ -195,7 +195,7 @@ def test_measure__times_a_tiny_model_and_fits_non_negative_costs():
 
 
 def test_llm__takes_costs_from_a_file_or_measures_them(tmp_path):
-    from jaxsched.llm import LLM
+    from jaxsched.entrypoints.llm import LLM
     from models.llama import LlamaConfig, LlamaForCausalLM
 
     mc = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1,

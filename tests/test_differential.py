@@ -19,10 +19,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jaxsched import add_requests, free_finished, init_state, make_batch, parse_trace, simulate, update
-from jaxsched.scheduler import schedule_impl
-from jaxsched.state import FINISHED
+from jaxsched.core.scheduler import schedule_impl
+from jaxsched.core.state import FINISHED
 from conftest import TEST_CAPACITY
-from jaxsched.reference import simulate_reference
+from jaxsched.sim.reference import simulate_reference
 
 
 # Cost models for mode "auto" whose float32 arithmetic is exact (integers and a power of two

@@ -11,9 +11,9 @@ import pytest
 from flax import nnx
 
 from jaxsched import check_invariants
-from jaxsched.engine import LazyStep, finish_impl, model_impl, plan_impl, step_impl
-from jaxsched.llm import LLM
-from jaxsched.params import SamplingParams
+from jaxsched.engine.step import LazyStep, finish_impl, model_impl, plan_impl, step_impl
+from jaxsched.entrypoints.llm import LLM
+from jaxsched.engine.params import SamplingParams
 from models.llama import LlamaConfig, LlamaForCausalLM, dense_forward
 
 VOCAB = 97

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jaxsched import SchedulerConfig, TraceError, parse_trace
-from jaxsched.params import SamplingParams
+from jaxsched.engine.params import SamplingParams
 from models.gguf import find_smollm2_gguf
 from models.llama import LlamaConfig, LlamaForCausalLM
 from models.tokenizer import Tokenizer
@@ -154,7 +154,7 @@ def test_sampling_params__engine_limits_are_named():
 def test_import__vllms_first_line_works():
     import jaxsched
     from jaxsched import LLM, CompletionOutput, RequestOutput, SamplingParams  # noqa: F401
-    assert callable(jaxsched.sweep) and jaxsched.sweep.__module__ == "jaxsched.sweep"
+    assert callable(jaxsched.sweep) and jaxsched.sweep.__module__ == "jaxsched.sim.sweep"
 
 
 def test_config__default_spells_vllms_default_mode():
@@ -214,14 +214,14 @@ def test_simulate_cli__config_without_host_blocks_replays_and_bad_fields_exit_2(
     good = tmp_path / "good.json"
     good.write_text(json.dumps({"config": {"num_device_blocks": 16, "block_size": 4},
                                 "requests": [{"id": "a", "prompt_len": 8, "max_tokens": 4}]}))
-    done = subprocess.run([sys.executable, "-m", "jaxsched.cli", "simulate", str(good),
+    done = subprocess.run([sys.executable, "-m", "jaxsched.entrypoints.cli", "simulate", str(good),
                            "--compilation-cache-dir", "off"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "peak_host_blocks_used" in done.stdout
     for config, field in (({"step_time": "fast"}, "step_time"), ({"max_steps": None}, "max_steps")):
         bad = tmp_path / f"{field}.json"
         bad.write_text(json.dumps(_trace(config)))
-        done = subprocess.run([sys.executable, "-m", "jaxsched.cli", "simulate", str(bad)],
+        done = subprocess.run([sys.executable, "-m", "jaxsched.entrypoints.cli", "simulate", str(bad)],
                               capture_output=True, text=True)
         assert done.returncode == 2 and field in done.stderr
         assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
@@ -240,7 +240,7 @@ def _walk(parser, path=()):
 
 
 def test_cli__every_flag_of_every_subcommand_has_help_and_shows_its_default():
-    from jaxsched.cli import build_parser
+    from jaxsched.entrypoints.cli import build_parser
     parser = build_parser()
     assert "scheduler" in parser.description and "vLLM" in parser.description
     seen = set()
@@ -260,19 +260,19 @@ def test_cli__every_flag_of_every_subcommand_has_help_and_shows_its_default():
     (["generate", "--n", "9"], "max_num_seqs=8"),
 ])
 def test_cli__bad_flags_exit_2_before_the_model_loads(argv, match, capsys, monkeypatch):
-    from jaxsched import cli
-    import jaxsched.llm
+    from jaxsched.entrypoints import cli
+    import jaxsched.entrypoints.llm
 
     def no_load(*args, **kwargs):
         raise AssertionError("the model was loaded before the flags were checked")
-    monkeypatch.setattr(jaxsched.llm.LLM, "__init__", no_load)
+    monkeypatch.setattr(jaxsched.entrypoints.llm.LLM, "__init__", no_load)
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert match in err and len(err.strip().splitlines()) == 1
 
 
 def test_cli__sweep_range_without_a_step_says_so(tmp_path, capsys):
-    from jaxsched import cli
+    from jaxsched.entrypoints import cli
     trace = tmp_path / "t.json"
     trace.write_text(json.dumps(_trace()))
     assert cli.main(["sweep", str(trace), "--num-device-blocks", "64:128", "--no-progress"]) == 2
@@ -280,11 +280,11 @@ def test_cli__sweep_range_without_a_step_says_so(tmp_path, capsys):
 
 
 def test_cli__preemption_mode_default_is_accepted_by_every_subcommand(tmp_path):
-    from jaxsched.cli import build_parser, check_engine_kwargs, engine_kwargs
+    from jaxsched.entrypoints.cli import build_parser, check_engine_kwargs, engine_kwargs
     args = build_parser().parse_args(["generate", "--preemption-mode", "default"])
     assert check_engine_kwargs(engine_kwargs(args)).preemption_mode is None
     out = tmp_path / "t.json"
-    from jaxsched import cli
+    from jaxsched.entrypoints import cli
     assert cli.main(["trace", "generate", "-o", str(out), "--num-requests", "3", "--rate", "1",
                      "--preemption-mode", "default"]) == 0
     assert json.loads(out.read_text())["config"]["preemption_mode"] is None

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxsched import kv_cache as kc
-from jaxsched.attention import (
+from jaxsched.cache import kv_cache as kc
+from jaxsched.cache.attention import (
     AttentionMetadata,
     StepKV,
     bucket,

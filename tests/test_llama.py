@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxsched import kv_cache as kc
-from jaxsched.attention import make_metadata
+from jaxsched.cache import kv_cache as kc
+from jaxsched.cache.attention import make_metadata
 from models import llama
 
 BLOCK_SIZE, NUM_BLOCKS, NUM_HOST_BLOCKS, MAX_BLOCKS = 4, 48, 16, 12

@@ -26,8 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxsched.llm import LLM
-from jaxsched.params import SamplingParams
+from jaxsched.entrypoints.llm import LLM
+from jaxsched.engine.params import SamplingParams
 from models.gguf import find_smollm2_gguf
 from models.llama import dense_forward
 from models.loader import load_model

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxsched.params import SamplingParams
-from jaxsched.sampling import apply_penalties
+from jaxsched.engine.params import SamplingParams
+from jaxsched.engine.sampling import apply_penalties
 from models.llama import LlamaConfig, LlamaForCausalLM
 
 ENGINE = dict(block_size=4, num_slots=16, max_seqs_per_group=4, max_num_seqs=8,

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxsched.sizing import GiB, MemoryProfile
-from jaxsched.sweep import good_requests, pick_smallest, sweep
-from jaxsched.workload import LogNormal, StepTimeModel, generate_trace
+from jaxsched.engine.sizing import GiB, MemoryProfile
+from jaxsched.sim.sweep import good_requests, pick_smallest, sweep
+from jaxsched.sim.workload import LogNormal, StepTimeModel, generate_trace
 
 TRACE = generate_trace(24, rate=0.5, prompt=LogNormal(4.0, 0.6), output=LogNormal(3.0, 0.6),
                        seed=1, config=dict(num_device_blocks=32, num_host_blocks=16, max_num_seqs=8,
@@ -106,7 +106,7 @@ def test_cli_prints_the_smallest_configuration_and_plots_goodput(tmp_path, capsy
     import argparse
     import json
 
-    from jaxsched.cli_sweep import register
+    from jaxsched.entrypoints.cli_sweep import register
     path = tmp_path / "trace.json"
     path.write_text(json.dumps(TRACE))
     parser = argparse.ArgumentParser(prog="jaxsched")

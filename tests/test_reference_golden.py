@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from goldens import PREFIX_REASON, assert_matches_vllm, golden_names, load, prefix_names
-from jaxsched.reference import (FINISHED_IGNORED, ReferenceScheduler, SchedulerConfig,
+from jaxsched.sim.reference import (FINISHED_IGNORED, ReferenceScheduler, SchedulerConfig,
                                 simulate_reference)
 
 FINAL_STATUSES = {"finished_length_capped", "finished_stopped", "finished_ignored",
@@ -150,7 +150,7 @@ def test_reference__a_group_that_never_fits_above_the_watermark_is_never():
     # 20 blocks, watermark 2: 18 blocks fit an empty cache, 19 never do. vLLM's can_swap_in
     # (and B1 as the brief words it) says NEVER only above 20, so 19 and 20 would be LATER
     # forever; the reference uses can_allocate's test for prompts, swap-in and B1 alike.
-    from jaxsched.reference import LATER, NEVER, OK, BlockManager
+    from jaxsched.sim.reference import LATER, NEVER, OK, BlockManager
     bm = BlockManager(SchedulerConfig(**make_config(num_device_blocks=20, watermark=0.1)))
     assert [bm._alloc_status(need) for need in (18, 19, 20, 21)] == [OK, NEVER, NEVER, NEVER]
     bm.device.allocate()

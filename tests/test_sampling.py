@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxsched.sampling import SAMPLING_EPS, filter_logits, sample, token_key
+from jaxsched.engine.sampling import SAMPLING_EPS, filter_logits, sample, token_key
 
 SAMPLE = jax.jit(sample, static_argnames="want_logprobs")
 FILTER = jax.jit(filter_logits)

@@ -15,8 +15,8 @@ import pytest
 import jaxsched
 from jaxsched import (SchedulerConfig, TraceError, abort, add_requests, check_invariants,
                       init_state, make_batch, schedule_step, simulate)
-from jaxsched.scheduler import schedule_impl
-from jaxsched.state import ABORTED, FINISHED, IGNORED, RUNNING, SWAPPED, WAITING
+from jaxsched.core.scheduler import schedule_impl
+from jaxsched.core.state import ABORTED, FINISHED, IGNORED, RUNNING, SWAPPED, WAITING
 from conftest import drive, make_config, make_requests
 from goldens import PREFIX_REASON, assert_matches_vllm, golden_names, load, prefix_names
 
@@ -82,7 +82,7 @@ def test_recompute_mode__forked_group_recomputes_and_finishes():
     reqs = make_requests(8, seed=5, prompt=(10, 60), max_tokens=(30, 90), max_n=3)
     steps, _, done = drive(config, reqs)
     # Every request ends as the plain-Python statement of SPEC B1 says it does.
-    from jaxsched.reference import simulate_reference
+    from jaxsched.sim.reference import simulate_reference
     trace = {"config": dict(block_size=16, num_device_blocks=20, num_host_blocks=64, max_num_seqs=8,
                             max_num_batched_tokens=512, max_model_len=512, preemption_mode="recompute"),
              "requests": reqs}
@@ -201,7 +201,7 @@ def test_config__validation_names_the_field(field, value):
 
 
 def test_cli__simulate_prints_summary_and_one_line_errors(tmp_path, capsys):
-    from jaxsched.cli import main
+    from jaxsched.entrypoints.cli import main
     assert main(["simulate"]) == 0
     assert "preempted_swap" in capsys.readouterr().out
     bad = tmp_path / "bad.json"
@@ -215,7 +215,7 @@ def test_cli__simulate_prints_summary_and_one_line_errors(tmp_path, capsys):
 def test_watermark_band__group_that_can_never_pass_is_ignored_not_stalled():
     """A forked group whose re-admission needs more than num_device_blocks - watermark_blocks
     would be LATER forever (vLLM stalls); jaxsched ignores it, like the reference."""
-    from jaxsched.reference import simulate_reference
+    from jaxsched.sim.reference import simulate_reference
     trace = {"config": {"block_size": 4, "num_device_blocks": 20, "num_host_blocks": 64, "max_num_seqs": 8,
                         "max_num_batched_tokens": 64, "max_model_len": 256, "enable_chunked_prefill": False,
                         "preemption_mode": "recompute", "delay_factor": 0.0, "watermark": 0.1,
@@ -232,8 +232,8 @@ def test_watermark_band__group_that_can_never_pass_is_ignored_not_stalled():
 def test_admitted_entries__row_ranks_equal_the_flat_rank_of_fresh_entries():
     """The admission-only placement ranks fresh blocks row by row; it must agree with the
     flat prefix sum (`mask_rank`) over every [G, S, M] entry, forked groups included."""
-    from jaxsched.block_pool import mask_rank
-    from jaxsched.placement import _admitted_entries
+    from jaxsched.core.block_pool import mask_rank
+    from jaxsched.core.placement import _admitted_entries
 
     rng = np.random.default_rng(0)
     g, s, m, block_size = 12, 4, 9, 4

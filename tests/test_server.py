@@ -12,6 +12,7 @@ import asyncio
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -21,7 +22,7 @@ import httpx
 import openai
 import pytest
 
-from jaxsched.params import SamplingParams
+from jaxsched.engine.params import SamplingParams
 
 MODEL = "smollm2-135m"
 KEY = "test-key"
@@ -52,27 +53,22 @@ def _start(engine: dict, *extra: str, env: dict | None = None):
     except FileNotFoundError as exc:
         pytest.skip(str(exc))
     port = _free_port()
-    cmd = [sys.executable, "-m", "jaxsched.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+    cmd = [sys.executable, "-m", "jaxsched.entrypoints.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
            *_flags(engine), *extra]
     proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"jaxsched serve exited with {proc.returncode}:\n{proc.stdout.read()}")
-        try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
+    from jaxsched.entrypoints.openai_server import wait_until_healthy
+    if wait_until_healthy(base, proc, START_TIMEOUT_S):
+        return proc, base
+    if proc.poll() is not None:
+        pytest.fail(f"jaxsched serve exited with {proc.returncode}:\n{proc.stdout.read()}")
     proc.kill()
     pytest.fail(f"jaxsched serve not healthy after {START_TIMEOUT_S} s")
 
 
-def _stop(proc) -> int:
-    proc.send_signal(2)                        # SIGINT: the clean shutdown path
+def _stop(proc, sig=signal.SIGINT) -> int:
+    proc.send_signal(sig)                      # SIGINT or SIGTERM: the clean shutdown path
     try:
         return proc.wait(60)
     except subprocess.TimeoutExpired:
@@ -91,12 +87,12 @@ def server():
 def small_server():
     proc, base = _start(SMALL, "--max-waiting-requests", "256")
     yield base
-    assert _stop(proc) == 0
+    assert _stop(proc, signal.SIGTERM) == 0     # what a process manager sends
 
 
 @pytest.fixture(scope="module")
 def offline():
-    from jaxsched.llm import LLM
+    from jaxsched.entrypoints.llm import LLM
     return LLM(MODEL, **ROOMY)
 
 

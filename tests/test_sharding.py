@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxsched import kv_cache as kc
-from jaxsched import sharding as sh
-from jaxsched.attention import make_metadata
+from jaxsched.cache import kv_cache as kc
+from jaxsched.engine import sharding as sh
+from jaxsched.cache.attention import make_metadata
 from models import llama
 
 WORKER = pathlib.Path(__file__).with_name("sharding_worker.py")

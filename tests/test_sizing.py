@@ -10,9 +10,9 @@ import logging
 import pytest
 from flax import nnx
 
-from jaxsched import sizing
-from jaxsched.cli import build_parser, engine_kwargs
-from jaxsched.sizing import GiB, MemoryProfile, SizingError, bytes_per_block, plan_cache
+from jaxsched.engine import sizing
+from jaxsched.entrypoints.cli import build_parser, engine_kwargs
+from jaxsched.engine.sizing import GiB, MemoryProfile, SizingError, bytes_per_block, plan_cache
 from models.llama import LlamaConfig, LlamaForCausalLM
 
 # (model shape, dtype, block size, tensor-parallel size) -> bytes per block, by hand:
@@ -144,7 +144,7 @@ def start(**kw):
 
 def test_real_start_up_sizes_from_measured_numbers_logs_and_serves(caplog):
     from jaxsched import SamplingParams
-    with caplog.at_level(logging.INFO, logger="jaxsched.sizing"):
+    with caplog.at_level(logging.INFO, logger="jaxsched.engine.sizing"):
         llm = start(max_model_len=64)
     plan = llm.cache_plan
     p = plan.profile

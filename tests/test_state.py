@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jaxsched import SchedulerConfig, init_state
-from jaxsched.state import (FIELDS, LIMIT_FIELDS, ONE_LEAF_BYTES, SchedulerOutput, SchedulerState,
+from jaxsched.core.state import (FIELDS, LIMIT_FIELDS, ONE_LEAF_BYTES, SchedulerOutput, SchedulerState,
                             Status, layout)
 
 

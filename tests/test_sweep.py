@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from jaxsched import simulate, summarize
-from jaxsched.cli_sweep import register
-from jaxsched.cost_model import PreemptionCosts
-from jaxsched.sweep import SweepError, sweep, sweep_chunk
-from jaxsched.workload import LogNormal, StepTimeModel, generate_trace
+from jaxsched.entrypoints.cli_sweep import register
+from jaxsched.core.costs import PreemptionCosts
+from jaxsched.sim.sweep import SweepError, sweep, sweep_chunk
+from jaxsched.sim.workload import LogNormal, StepTimeModel, generate_trace
 
 TRACE = generate_trace(24, rate=0.5, prompt=LogNormal(4.0, 0.6), output=LogNormal(3.0, 0.6),
                        seed=1, config=dict(num_device_blocks=32, num_host_blocks=16, max_num_seqs=8,
@@ -155,7 +155,7 @@ def test_cli_sweep__prints_a_table_and_writes_csv_json_and_plots(tmp_path, capsy
 
 def test_sweep__more_requests_alive_than_slots_doubles_them_or_says_so(monkeypatch):
     import importlib
-    sweep_module = importlib.import_module("jaxsched.sweep")   # jaxsched.sweep is the function
+    sweep_module = importlib.import_module("jaxsched.sim.sweep")   # jaxsched.sweep is the function
 
     calls = []
 

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsched.walks import RunningInputs, running_walk, running_walk_loop
+from jaxsched.core.walks import RunningInputs, running_walk, running_walk_loop
 
 G = 8
 

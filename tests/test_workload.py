@@ -7,9 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from jaxsched.cli_sweep import register
-from jaxsched.trace import parse_trace
-from jaxsched.workload import (LogNormal, arrival_steps, fit_lognormal, fit_step_time, generate_trace,
+from jaxsched.entrypoints.cli_sweep import register
+from jaxsched.sim.trace import parse_trace
+from jaxsched.sim.workload import (LogNormal, arrival_steps, fit_lognormal, fit_step_time, generate_trace,
                                measure_step_time)
 
 BIG = dict(max_model_len=100_000, max_num_batched_tokens=100_000)   # no clipping

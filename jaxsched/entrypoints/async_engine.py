@@ -24,8 +24,8 @@ import jax
 import numpy as np
 
 from jaxsched.entrypoints.metrics import Metrics
-from jaxsched.params import RequestOutput, SamplingParams
-from jaxsched.state import Status
+from jaxsched.engine.params import RequestOutput, SamplingParams
+from jaxsched.core.state import Status
 
 log = logging.getLogger("jaxsched.serve")
 

@@ -347,9 +347,24 @@ class _Shape:
 
 
 # ---------------------------------------------------------------- CLI
+def wait_until_healthy(base_url: str, proc, timeout_s: float) -> bool:
+    """Poll `base_url`/health until it answers 200 (True), or `proc` (the server's Popen)
+    exits or `timeout_s` passes (False): for scripts and tests that start a server."""
+    import httpx
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(base_url + "/health", timeout=2).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    return False
+
+
 def register(subparsers) -> None:
     """`jaxsched serve`: the engine flags of `jaxsched generate`, plus the server's own."""
-    from jaxsched.cli import add_engine_args
+    from jaxsched.entrypoints.cli import add_engine_args
     p = subparsers.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
                               description="An OpenAI-compatible server (as `vllm serve`): "
                               "/v1/completions, /v1/chat/completions, /v1/models, /health, "
@@ -372,8 +387,8 @@ def register(subparsers) -> None:
 
 
 def run_server(args: argparse.Namespace) -> int:
-    from jaxsched.cli import check_engine_kwargs, engine_kwargs
-    from jaxsched.compilation_cache import enable_compilation_cache
+    from jaxsched.entrypoints.cli import check_engine_kwargs, engine_kwargs
+    from jaxsched.entrypoints.compilation_cache import enable_compilation_cache
 
     try:
         engine = engine_kwargs(args)
@@ -386,7 +401,7 @@ def run_server(args: argparse.Namespace) -> int:
         print(f"jaxsched serve: {e}", file=sys.stderr)
         return 2
     import uvicorn
-    from jaxsched.llm import LLM
+    from jaxsched.entrypoints.llm import LLM
 
     enable_compilation_cache(args.compilation_cache_dir)
     t0 = time.perf_counter()

@@ -10,7 +10,7 @@ from typing import Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from jaxsched.params import SamplingParams
+from jaxsched.engine.params import SamplingParams
 
 
 class StreamOptions(BaseModel):

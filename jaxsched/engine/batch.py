@@ -20,8 +20,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxsched.block_pool import exclusive_cumsum
-from jaxsched.kv_cache import PAD_ID
+from jaxsched.core.block_pool import exclusive_cumsum
+from jaxsched.cache.kv_cache import PAD_ID
 
 
 class FlatBatch(NamedTuple):

@@ -7,7 +7,7 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
-from jaxsched.config import SchedulerConfig
+from jaxsched.core.config import SchedulerConfig
 
 # The config keys a generated trace writes: the scheduler limits vLLM's own replay of a
 # trace reads too (the golden traces' format), with SchedulerConfig's defaults.

@@ -22,7 +22,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_cpu_enable_concurrency_optimized_sched
 
 
 def _bundled_trace(name: str) -> Path:
-    return Path(str(resources.files("jaxsched") / "traces" / name))
+    return Path(str(resources.files("jaxsched.sim") / "traces" / name))
 
 
 def _table(rows: list[tuple[str, object]]) -> str:
@@ -33,9 +33,9 @@ def _table(rows: list[tuple[str, object]]) -> str:
 
 
 def cmd_simulate(args) -> int:
-    from jaxsched.compilation_cache import enable_compilation_cache
-    from jaxsched.simulate import simulate, summarize
-    from jaxsched.trace import TraceError, load_trace, parse_trace
+    from jaxsched.entrypoints.compilation_cache import enable_compilation_cache
+    from jaxsched.sim.simulate import simulate, summarize
+    from jaxsched.sim.trace import TraceError, load_trace, parse_trace
 
     path = Path(args.trace) if args.trace else _bundled_trace(DEFAULT_TRACE)
     try:
@@ -160,8 +160,8 @@ def engine_kwargs(args) -> dict:
 
 def check_engine_kwargs(engine: dict):
     """The SchedulerConfig these flags make, checked before any model loads (ValueError)."""
-    from jaxsched.llm import _check_engine_args
-    from jaxsched.sizing import check_args
+    from jaxsched.entrypoints.llm import _check_engine_args
+    from jaxsched.engine.sizing import check_args
     check_args(engine.get("gpu_memory_utilization", 0.9), engine.get("swap_space", 4))
     return _check_engine_args({k: v for k, v in engine.items()
                                if k != "mesh_shape" and k not in SIZING_FLAGS})
@@ -172,8 +172,8 @@ def _say(text: str) -> None:
 
 
 def cmd_generate(args) -> int:
-    from jaxsched.compilation_cache import enable_compilation_cache
-    from jaxsched.params import SamplingParams
+    from jaxsched.entrypoints.compilation_cache import enable_compilation_cache
+    from jaxsched.engine.params import SamplingParams
 
     t0 = time.perf_counter()
     prompts = args.prompt or DEFAULT_PROMPTS
@@ -193,7 +193,7 @@ def cmd_generate(args) -> int:
         print(f"jaxsched generate: {e}", file=sys.stderr)
         return 2
     cache = enable_compilation_cache(args.compilation_cache_dir)
-    from jaxsched.llm import LLM
+    from jaxsched.entrypoints.llm import LLM
     try:
         llm = LLM(args.model, seed=args.seed, dtype=args.dtype, **engine)
         loaded = time.perf_counter() - t0
@@ -269,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("-o", "--output", help="write the step-by-step decisions as JSON here")
     add_cache_arg(sim)
     sim.set_defaults(func=cmd_simulate)
-    from jaxsched.cli_sweep import register
+    from jaxsched.entrypoints.cli_sweep import register
     register(sub)                                    # `trace generate` and `sweep`
 
     gen = sub.add_parser("generate", help="generate with a model on the paged engine "

@@ -15,13 +15,13 @@ import enum
 import math
 from typing import Optional
 
-from jaxsched.cost_model import DEFAULT_COSTS, PreemptionCosts
+from jaxsched.core.costs import DEFAULT_COSTS, PreemptionCosts
 
 class PreemptionMode(enum.IntEnum):
     """Mode ids as stored in the limits; RECOMPUTE and SWAP also say how a group was
     preempted (SchedulerOutput.preempted, 0 for not at all). DEFAULT is vLLM's default
     (None: recompute a one-sequence group, swap a bigger one); COST is "auto", the cheaper
-    of the two by the config's cost model (cost_model.py)."""
+    of the two by the config's cost model (core/costs.py)."""
     DEFAULT = 0
     RECOMPUTE = 1
     SWAP = 2
@@ -77,8 +77,8 @@ class SchedulerConfig:
       enable_chunked_prefill: SPEC A6 instead of A4.
       preemption_mode: None or "default" (recompute for one sequence, swap for more), "recompute", "swap",
         or "auto" (per victim, whichever `preemption_costs` says is cheaper).
-      preemption_costs: the cost model of "auto" (a cost_model.PreemptionCosts; a dict or a
-        sequence of its five coefficients is converted). None: cost_model.DEFAULT_COSTS.
+      preemption_costs: the cost model of "auto" (a core.costs.PreemptionCosts; a dict or a
+        sequence of its five coefficients is converted). None: core.costs.DEFAULT_COSTS.
       delay_factor: SPEC A7.
       watermark: share of device blocks kept free at admission and swap-in.
       num_slots: request slots in the state (capacity; default 2 * max_num_seqs + 16).

@@ -26,15 +26,15 @@ import jax.numpy as jnp
 from flax import struct
 from jax import lax
 
-from jaxsched import kv_cache as kvc
-from jaxsched.attention import AttentionMetadata
-from jaxsched.batch import flat_batch
-from jaxsched.config import Capacity, SchedulerConfig
-from jaxsched.requests import RequestBatch, add_requests, free_finished, update
-from jaxsched.params import MAX_LOGPROBS
-from jaxsched.sampling import apply_penalties, sample, token_key, top_logprobs
-from jaxsched.scheduler import schedule_step
-from jaxsched.state import FINISHED, SchedulerState, init_state
+from jaxsched.cache import kv_cache as kvc
+from jaxsched.cache.attention import AttentionMetadata
+from jaxsched.engine.batch import flat_batch
+from jaxsched.core.config import Capacity, SchedulerConfig
+from jaxsched.core.requests import RequestBatch, add_requests, free_finished, update
+from jaxsched.engine.params import MAX_LOGPROBS
+from jaxsched.engine.sampling import apply_penalties, sample, token_key, top_logprobs
+from jaxsched.core.scheduler import schedule_step
+from jaxsched.core.state import FINISHED, SchedulerState, init_state
 
 
 @struct.dataclass

@@ -1,4 +1,4 @@
-"""Model-free trace replay: `jaxsched simulate TRACE.json` and `jaxsched.simulate(...)`.
+"""Model-free trace replay: `jaxsched simulate TRACE.json` and `jaxsched.sim.simulate(...)`.
 
 Each step adds the requests arriving at it, schedules at `now = step * step_time`, gives
 every group whose prompt is complete one token per running sequence (never EOS), finishes
@@ -17,12 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxsched.config import PREEMPT_RECOMPUTE, PREEMPT_SWAP, Capacity, SchedulerConfig
-from jaxsched.invariants import CHECKS, InvariantError, describe, invariant_violations
-from jaxsched.requests import RequestBatch, add_requests, free_finished, update
-from jaxsched.scheduler import schedule_step
-from jaxsched.state import FINISH_NAMES, FINISHED, IGNORE_REASONS, IGNORED, init_state
-from jaxsched.trace import Trace, parse_trace
+from jaxsched.core.config import PREEMPT_RECOMPUTE, PREEMPT_SWAP, Capacity, SchedulerConfig
+from jaxsched.core.invariants import CHECKS, InvariantError, describe, invariant_violations
+from jaxsched.core.requests import RequestBatch, add_requests, free_finished, update
+from jaxsched.core.scheduler import schedule_step
+from jaxsched.core.state import FINISH_NAMES, FINISHED, IGNORE_REASONS, IGNORED, init_state
+from jaxsched.sim.trace import Trace, parse_trace
 
 # Rows of a step's packed record, int32[NUM_ROWS, num_slots].
 (R_INDEX, R_TOKENS, R_SEQS, R_PREEMPT, R_SWAP_IN, R_FINISHED, R_REASON, R_OUTPUTS, R_NPREEMPT,

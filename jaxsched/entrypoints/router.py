@@ -10,8 +10,8 @@ The replicas step one after another in this process.
 from __future__ import annotations
 
 import time
-from jaxsched.llm import LLM, _FrontEnd, load_model_parts
-from jaxsched.params import RequestOutput, SamplingParams
+from jaxsched.entrypoints.llm import LLM, _FrontEnd, load_model_parts
+from jaxsched.engine.params import RequestOutput, SamplingParams
 
 
 class DataParallelLLM(_FrontEnd):
@@ -19,7 +19,7 @@ class DataParallelLLM(_FrontEnd):
 
     def __init__(self, model=None, *, mesh_shape: tuple[int, int], tokenizer=None, dtype: str = "float32",
                  devices=None, **kwargs):
-        from jaxsched.sharding import make_mesh
+        from jaxsched.engine.sharding import make_mesh
         data, tp = mesh_shape
         model_config, tensors, instance, tokenizer = load_model_parts(model, tokenizer, dtype)
         mesh = make_mesh(data, tp, devices)

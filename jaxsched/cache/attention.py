@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxsched.kv_cache import PAD_ID
+from jaxsched.cache.kv_cache import PAD_ID
 
 _MASKED = -1e30  # finite, so a fully masked (padding) row gives a uniform softmax, not NaN
 _CHUNK_BYTES = 1 << 20  # K bytes gathered per scan step in the chunked kernel

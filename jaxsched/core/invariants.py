@@ -8,9 +8,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxsched.block_pool import entry_valid
-from jaxsched.config import SchedulerConfig
-from jaxsched.state import EMPTY, FINISHED, RUNNING, SWAPPED, WAITING, SchedulerState
+from jaxsched.core.block_pool import entry_valid
+from jaxsched.core.config import SchedulerConfig
+from jaxsched.core.state import EMPTY, FINISHED, RUNNING, SWAPPED, WAITING, SchedulerState
 
 CHECKS = (
     "device ref counts equal block-table references",

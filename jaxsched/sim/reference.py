@@ -28,7 +28,7 @@ from collections import deque
 
 import numpy as np
 
-from jaxsched.cost_model import DEFAULT_COSTS, PreemptionCosts, recompute_seconds, swap_seconds
+from jaxsched.core.costs import DEFAULT_COSTS, PreemptionCosts, recompute_seconds, swap_seconds
 
 FINISHED_LENGTH_CAPPED = "finished_length_capped"
 FINISHED_STOPPED = "finished_stopped"  # never reached in replay: no sequence samples EOS
@@ -59,7 +59,7 @@ class SchedulerConfig:
     max_model_len: int
     enable_chunked_prefill: bool = False
     preemption_mode: str | None = None  # None: RECOMPUTE for one sequence, SWAP for more
-    preemption_costs: dict | None = None  # AUTO's cost model (cost_model.FIELDS); None: default
+    preemption_costs: dict | None = None  # AUTO's cost model (core.costs.FIELDS); None: default
     delay_factor: float = 0.0
     watermark: float = 0.01
     step_time: float = 1.0

@@ -21,8 +21,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxsched.config import SchedulerConfig
-from jaxsched.trace import TRACE_CONFIG_KEYS, parse_trace
+from jaxsched.core.config import SchedulerConfig
+from jaxsched.sim.trace import TRACE_CONFIG_KEYS, parse_trace
 
 ARRIVALS = ("poisson", "bursty")
 

@@ -14,23 +14,23 @@ import dataclasses
 import functools
 import pathlib
 import time
-from typing import Iterable, Iterator, Optional, Sequence, Union
+from typing import Iterator, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from jaxsched import sizing
-from jaxsched.compilation_cache import enable_compilation_cache
-from jaxsched.config import PreemptionMode, SchedulerConfig
-from jaxsched.cost_model import PreemptionCosts, measure_preemption_costs
-from jaxsched.engine import (EngineSpec, NewRequests, SamplingRows, init_engine, step,
-                             step_impl, token_buckets)
-from jaxsched.kv_cache import init_kv_cache
-from jaxsched.params import MAX_STOP_TOKEN_IDS, CompletionOutput, RequestOutput, SamplingParams
-from jaxsched.requests import RequestBatch, abort as abort_slots
-from jaxsched.state import IGNORE_REASONS, FinishReason, Status, set_limits
+from jaxsched.core.config import PreemptionMode, SchedulerConfig
+from jaxsched.core.costs import PreemptionCosts
+from jaxsched.engine import sizing
+from jaxsched.engine.cost_measure import measure_preemption_costs
+from jaxsched.engine.sharding import place_model
+from jaxsched.engine.step import (EngineSpec, NewRequests, SamplingRows, init_engine, step_impl,
+                                  token_buckets)
+from jaxsched.entrypoints.compilation_cache import enable_compilation_cache
+from jaxsched.engine.params import MAX_STOP_TOKEN_IDS, CompletionOutput, RequestOutput, SamplingParams
+from jaxsched.core.requests import RequestBatch, abort as abort_slots
+from jaxsched.core.state import IGNORE_REASONS, FinishReason, Status, set_limits
 
 # vLLM's finish_reason strings.
 FINISH = {FinishReason.LENGTH_CAPPED: "length", FinishReason.STOPPED: "stop",
@@ -172,11 +172,11 @@ class LLM(_FrontEnd):
     `SchedulerConfig` fields by the same names.
 
     `preemption_mode="auto"` preempts each victim by whichever of recompute and swap its cost
-    model says is cheaper. `preemption_costs` is that model: a `cost_model.PreemptionCosts`
+    model says is cheaper. `preemption_costs` is that model: a `core.costs.PreemptionCosts`
     (or its dict), a JSON file written by `PreemptionCosts.to_json`, or "measure" to time this
     model's prefill and this cache's swaps once at start-up (`measure_preemption_costs`;
     seconds to a minute on CPU, one compile per measured prefill length; single-device
-    engines only). Left out, "auto" uses `cost_model.DEFAULT_COSTS`, measured for SmolLM2-135M
+    engines only). Left out, "auto" uses `core.costs.DEFAULT_COSTS`, measured for SmolLM2-135M
     on a 2-core CPU: cheap swaps, so it swaps whenever the host pool has room.
     """
 
@@ -185,7 +185,7 @@ class LLM(_FrontEnd):
         # with the same methods (DataParallelLLM is not an LLM subclass, so this object's
         # __init__ does not run again).
         if cls is LLM and mesh_shape is not None and mesh_shape[0] > 1:
-            from jaxsched.router import DataParallelLLM
+            from jaxsched.entrypoints.router import DataParallelLLM
             return DataParallelLLM(*args, mesh_shape=mesh_shape, **kwargs)
         return super().__new__(cls)
 
@@ -218,7 +218,7 @@ class LLM(_FrontEnd):
         # measured with the model placed: jaxsched.sizing; self.cache_plan says what it chose.
         self.config, self.cache_plan, placed = sizing.size_engine(
             engine_args, model_config,
-            lambda cap: _place_model(model_config, tensors, instance, cap, tp, devices, attention_impl),
+            lambda cap: place_model(model_config, tensors, instance, cap, tp, devices, attention_impl),
             gpu_memory_utilization=gpu_memory_utilization, swap_space=swap_space,
             device_memory_bytes=device_memory_bytes, tensor_parallel_size=tp, attention_impl=attention_impl)
         cap = self.config.capacity()
@@ -229,7 +229,7 @@ class LLM(_FrontEnd):
                                max_prompt_len=self.config.max_model_len, attention_impl=attention_impl)
         eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         self.state = place(init_engine(self.config, kv, eos))
-        from jaxsched.engine import LazyStep
+        from jaxsched.engine.step import LazyStep
         # Each token bucket compiles when a step first needs it: the first request waits for
         # its own bucket only (`warm_up` compiles them all ahead of serving).
         self._step = LazyStep(self.spec)
@@ -265,8 +265,8 @@ class LLM(_FrontEnd):
     def measure_preemption_costs(self, **kw):
         """Time this model's prefill and this cache's swaps on the running backend.
 
-        Returns (cost_model.PreemptionCosts, the measurements); the engine is left as it
-        is. Keyword arguments go to `cost_model.measure_preemption_costs` (lengths, blocks,
+        Returns (core.costs.PreemptionCosts, the measurements); the engine is left as it
+        is. Keyword arguments go to `engine.cost_measure.measure_preemption_costs` (lengths, blocks,
         reps, quadratic).
         """
         mc = self.model_config
@@ -618,49 +618,3 @@ def _resolve_costs(engine_args: dict, sharded: bool) -> bool:
         except ValueError as e:
             raise ValueError(f"preemption_costs: {e}") from None
     return False
-
-
-def _place_model(model_config, tensors, instance, cap, tp, devices, attention_impl):
-    """(graphdef, params, forward, kv cache, place-state fn) on one device or a TP mesh."""
-    from models.llama import LlamaForCausalLM, paged_forward_new_kv
-    mc = model_config
-    dtype = jnp.dtype(mc.dtype)
-    shape = (mc.num_hidden_layers, cap.num_device_blocks + 1, cap.num_host_blocks + 1, cap.block_size,
-             mc.num_key_value_heads, mc.head_dim)
-    if tp == 1 and not devices:
-        if instance is None:
-            from models.loader import build_model
-            # The host tensors are not needed again: freed as they are placed, for a lower peak.
-            instance = build_model(mc, tensors, consume=True)
-        graphdef, params = nnx.split(instance)
-        return graphdef, params, paged_forward_new_kv, init_kv_cache(*shape, dtype=dtype), lambda st: st
-    from jax.sharding import NamedSharding, PartitionSpec
-    from jaxsched import sharding as sh
-    sh.check_tensor_parallel(mc, tp)
-    mesh = sh.make_mesh(1, tp, devices)
-    abstract = nnx.eval_shape(lambda: LlamaForCausalLM(mc, nnx.Rngs(0)))
-    graphdef = nnx.graphdef(abstract)
-    # Each device receives only its own slice of every weight.
-    params = (sh.place_hf_tensors(abstract, tensors, mesh) if tensors is not None
-              else sh.shard_params(nnx.state(instance, nnx.Param), mc, mesh))
-    kv = sh.init_sharded_kv_cache(mesh, *shape, dtype=dtype)
-    fwd = sh.make_sharded_forward(mesh, sh.param_shardings(nnx.state(abstract, nnx.Param), mc, mesh),
-                                  impl=attention_impl, write_cache=False)
-    forward = _MeshForward(fwd)
-    replicated = NamedSharding(mesh, PartitionSpec())
-
-    def place(state):
-        # The scheduler state and token buffers are small: replicated over the mesh.
-        rest = jax.device_put(state.replace(kv=None), replicated)
-        return rest.replace(kv=state.kv)
-    return graphdef, params, forward, kv, place
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class _MeshForward:
-    """The engine's forward signature over a mesh-jitted forward (it takes no `impl`)."""
-    fn: object
-
-    def __call__(self, graphdef, params, tokens, positions, metadata, kv_cache, impl):
-        del impl
-        return self.fn(graphdef, params, tokens, positions, metadata, kv_cache)

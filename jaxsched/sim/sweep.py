@@ -43,12 +43,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxsched.config import PREEMPT_RECOMPUTE, PREEMPT_SWAP, SchedulerConfig
-from jaxsched.cost_model import PreemptionCosts
-from jaxsched.requests import RequestBatch
-from jaxsched.simulate import CHUNK_STEPS, replay_step
-from jaxsched.state import EMPTY, FINISHED, IGNORED, init_state, set_limits
-from jaxsched.trace import Trace, TraceError, parse_trace
+from jaxsched.core.config import PREEMPT_RECOMPUTE, PREEMPT_SWAP, SchedulerConfig
+from jaxsched.core.costs import PreemptionCosts
+from jaxsched.core.requests import RequestBatch
+from jaxsched.sim.simulate import CHUNK_STEPS, replay_step
+from jaxsched.core.state import EMPTY, FINISHED, IGNORED, init_state, set_limits
+from jaxsched.sim.trace import Trace, TraceError, parse_trace
 # "auto" is the cost-based mode (the trace config's preemption_costs, else the default
 # costs); vLLM's default (None: recompute one sequence, swap more) is "default" or "none".
 MODES = {"auto": "auto", "default": None, "none": None, "recompute": "recompute", "swap": "swap"}
@@ -405,7 +405,7 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
     list, one value or a spec string ("8,16,32" or "64:1024:64", inclusive). Fields not swept
     come from the trace's config; a static field (block_size, enable_chunked_prefill) may be
     given one value, never a list. `capacity` fixes static sizes (see `sweep_capacity`).
-    `preemption_costs` (a cost_model.PreemptionCosts, its dict, or a JSON file written by
+    `preemption_costs` (a core.costs.PreemptionCosts, its dict, or a JSON file written by
     `to_json`) replaces the trace's cost model of preemption_mode "auto" in every run.
     With a `workload.StepTimeModel` (any f(prefill_tokens, decode_seqs, swapped_blocks) ->
     seconds per step), rows also give seconds: the summed per-step costs. `vmap_runs`
@@ -526,7 +526,7 @@ def good_requests(ttft, tpot, slo_ttft=None, slo_tpot=None, served=None):
 def memory_grid(points, configs, memory_axes: dict, memory):
     """Each point under every (gpu_memory_utilization, swap_space): the block counts
     sizing.plan_cache gives the model's memory profile, as `LLM` would start with."""
-    from jaxsched import sizing
+    from jaxsched.engine import sizing
 
     if memory is None:
         raise SweepError("sweep: gpu_memory_utilization / swap_space need the model's memory "

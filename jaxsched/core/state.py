@@ -36,8 +36,8 @@ import jax.numpy as jnp
 from flax import struct
 from jax import lax
 
-from jaxsched.config import Capacity, SchedulerConfig
-from jaxsched.cost_model import FIELDS as COST_FIELDS
+from jaxsched.core.config import Capacity, SchedulerConfig
+from jaxsched.core.costs import FIELDS as COST_FIELDS
 
 class Status(enum.IntEnum):
     """Which queue holds a slot."""
@@ -91,7 +91,7 @@ class Limits:
       delay_factor: float32.
       block_size: mirrors Capacity.block_size for transitions compiled without a capacity.
       recompute_fixed, recompute_per_token, recompute_per_token_sq, swap_fixed,
-        swap_per_block: float32, the cost model of mode 3 (cost_model.PreemptionCosts),
+        swap_per_block: float32, the cost model of mode 3 (core.costs.PreemptionCosts),
         in seconds; read only by mode 3.
     """
     num_device_blocks: jax.Array
@@ -111,7 +111,7 @@ class Limits:
 
     @property
     def costs(self) -> tuple[jax.Array, ...]:
-        """The cost coefficients in cost_model.FIELDS order."""
+        """The cost coefficients in core.costs.FIELDS order."""
         return tuple(getattr(self, name) for name in COST_FIELDS)
 
 

@@ -21,15 +21,15 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxsched import placement
-from jaxsched.block_pool import entry_valid, exclusive_cumsum, first_holder, num_free
-from jaxsched.config import PREEMPT_RECOMPUTE, PREEMPT_SWAP, Capacity, SchedulerConfig
-from jaxsched.placement import Blocks, no_pairs
-from jaxsched.preemption import (choose_modes, free_victims, no_victims, pick_modes,
+from jaxsched.core import placement
+from jaxsched.core.block_pool import entry_valid, exclusive_cumsum, first_holder, num_free
+from jaxsched.core.config import PREEMPT_RECOMPUTE, PREEMPT_SWAP, Capacity, SchedulerConfig
+from jaxsched.core.placement import Blocks, no_pairs
+from jaxsched.core.preemption import (choose_modes, free_victims, no_victims, pick_modes,
                                  preempted_fields, recompute_tokens)
-from jaxsched.state import (FINISHED, IGNORE_NEVER_FITS, IGNORE_PROMPT_TOO_LONG, IGNORED,
+from jaxsched.core.state import (FINISHED, IGNORE_NEVER_FITS, IGNORE_PROMPT_TOO_LONG, IGNORED,
                             RUNNING, SWAPPED, WAITING, SchedulerOutput, SchedulerState)
-from jaxsched.walks import (PrefixWalk, Queues, RunningInputs, order_is_cached, prefix_walk,
+from jaxsched.core.walks import (PrefixWalk, Queues, RunningInputs, order_is_cached, prefix_walk,
                             queues, requeue, running_walk, running_walk_loop)
 
 

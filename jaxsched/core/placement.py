@@ -21,9 +21,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxsched.block_pool import (add_refs, exclusive_cumsum, free_list, mask_rank, take_ranked,
+from jaxsched.core.block_pool import (add_refs, exclusive_cumsum, free_list, mask_rank, take_ranked,
                                  write_pairs)
-from jaxsched.config import Capacity
+from jaxsched.core.config import Capacity
 
 # Rows of the step's block-pair lists, int32[3, P, 2] (see SchedulerOutput).
 SWAP_OUT, SWAP_IN, COPY = 0, 1, 2

@@ -36,6 +36,7 @@ hosts' schedulers see identical inputs and make identical decisions; followers d
 outputs. The test of this simulates the hosts inside one process.
 """
 
+import dataclasses
 import functools
 import logging
 from typing import Callable
@@ -47,7 +48,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxsched import kv_cache as kc
+from jaxsched.cache import kv_cache as kc
 from models.llama import (LlamaConfig, LlamaForCausalLM, check_hf_tensors, paged_forward, paged_forward_new_kv,
                           stack_hf_tensors)
 
@@ -256,3 +257,48 @@ def share_from_leader(tree, process_index: int | None = None, broadcast=None):
     """
     broadcast = broadcast or multihost_utils.broadcast_one_to_all
     return broadcast(tree, is_source=is_leader(process_index))
+
+
+def place_model(model_config, tensors, instance, cap, tp, devices, attention_impl):
+    """(graphdef, params, forward, kv cache, place-state fn) on one device or a TP mesh."""
+    from models.llama import LlamaForCausalLM, paged_forward_new_kv
+    mc = model_config
+    dtype = jnp.dtype(mc.dtype)
+    shape = (mc.num_hidden_layers, cap.num_device_blocks + 1, cap.num_host_blocks + 1, cap.block_size,
+             mc.num_key_value_heads, mc.head_dim)
+    if tp == 1 and not devices:
+        if instance is None:
+            from models.loader import build_model
+            # The host tensors are not needed again: freed as they are placed, for a lower peak.
+            instance = build_model(mc, tensors, consume=True)
+        graphdef, params = nnx.split(instance)
+        return graphdef, params, paged_forward_new_kv, kc.init_kv_cache(*shape, dtype=dtype), lambda st: st
+    from jax.sharding import NamedSharding, PartitionSpec
+    check_tensor_parallel(mc, tp)
+    mesh = make_mesh(1, tp, devices)
+    abstract = nnx.eval_shape(lambda: LlamaForCausalLM(mc, nnx.Rngs(0)))
+    graphdef = nnx.graphdef(abstract)
+    # Each device receives only its own slice of every weight.
+    params = (place_hf_tensors(abstract, tensors, mesh) if tensors is not None
+              else shard_params(nnx.state(instance, nnx.Param), mc, mesh))
+    kv = init_sharded_kv_cache(mesh, *shape, dtype=dtype)
+    fwd = make_sharded_forward(mesh, param_shardings(nnx.state(abstract, nnx.Param), mc, mesh),
+                               impl=attention_impl, write_cache=False)
+    forward = MeshForward(fwd)
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def place(state):
+        # The scheduler state and token buffers are small: replicated over the mesh.
+        rest = jax.device_put(state.replace(kv=None), replicated)
+        return rest.replace(kv=state.kv)
+    return graphdef, params, forward, kv, place
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class MeshForward:
+    """The engine's forward signature over a mesh-jitted forward (it takes no `impl`)."""
+    fn: object
+
+    def __call__(self, graphdef, params, tokens, positions, metadata, kv_cache, impl):
+        del impl
+        return self.fn(graphdef, params, tokens, positions, metadata, kv_cache)

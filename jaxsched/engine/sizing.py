@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 from pathlib import Path
 from typing import Optional
@@ -47,7 +46,7 @@ CPU_DEFAULT_MAX_MODEL_LEN = 1024
 # multiplied by this: the measured temp of SmolLM2 at 512 tokens was 1.8x the bound's sum.
 ANALYTIC_SAFETY = 2.0
 CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
-log = logging.getLogger("jaxsched.sizing")
+log = logging.getLogger("jaxsched.engine.sizing")
 
 
 class SizingError(ValueError):
@@ -206,7 +205,7 @@ def measure_peak_bytes(forward, graphdef, params, kv_cache, *, num_tokens: int, 
     import jax
     import jax.numpy as jnp
 
-    from jaxsched.attention import AttentionMetadata
+    from jaxsched.cache.attention import AttentionMetadata
 
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)   # noqa: E731
     meta = AttentionMetadata(slot_mapping=i32(num_tokens), positions=i32(num_tokens),
@@ -413,13 +412,13 @@ def profile_engine(model_config, params, forward, graphdef, kv_cache, *, block_s
 def _cache_like(kv, model_config, cap):
     """A zeroed cache of `cap`'s pool sizes placed as `kv` is (one device, or a mesh)."""
     import jax
-    from jaxsched.kv_cache import init_kv_cache
+    from jaxsched.cache.kv_cache import init_kv_cache
     mc = model_config
     shape = (mc.num_hidden_layers, cap.num_device_blocks + 1, cap.num_host_blocks + 1, cap.block_size,
              mc.num_key_value_heads, mc.head_dim)
     dtype = _np_dtype(mc.dtype)
     if isinstance(kv.k.sharding, jax.sharding.NamedSharding):
-        from jaxsched.sharding import init_sharded_kv_cache
+        from jaxsched.engine.sharding import init_sharded_kv_cache
         return init_sharded_kv_cache(kv.k.sharding.mesh, *shape, dtype=dtype)
     return init_kv_cache(*shape, dtype=dtype, device=next(iter(kv.k.devices())))
 
@@ -429,7 +428,7 @@ def size_engine(engine_args: dict, model_config, place, *, gpu_memory_utilizatio
                 tensor_parallel_size: int = 1, attention_impl: str = "chunked"):
     """The engine's config and placed model with its KV cache sized from memory.
 
-    `place(cap)` places the model and a cache of `cap` (llm._place_model) and returns
+    `place(cap)` places the model and a cache of `cap` (sharding.place_model) and returns
     (graphdef, params, forward, kv, place_state). When `engine_args` give both block counts
     this is that call and nothing more; else the model is placed with a one-block cache, the
     weights and the largest step's working memory are measured, `plan_cache` chooses the
@@ -439,7 +438,7 @@ def size_engine(engine_args: dict, model_config, place, *, gpu_memory_utilizatio
     """
     import jax
 
-    from jaxsched.config import SchedulerConfig
+    from jaxsched.core.config import SchedulerConfig
 
     args = dict(engine_args)
     context = model_config.max_position_embeddings
@@ -494,14 +493,14 @@ def profile_model(model=None, *, dtype: str = "float32", device_memory_bytes: Op
     """
     import functools
 
-    from jaxsched.config import SchedulerConfig
-    from jaxsched.llm import _place_model
+    from jaxsched.core.config import SchedulerConfig
+    from jaxsched.engine.sharding import place_model
     from models.loader import load_weights
 
     model_config, tensors, _ = load_weights(model, dtype=dtype)
     probe = SchedulerConfig(num_device_blocks=1, num_host_blocks=0, max_model_len=16,
                             max_num_batched_tokens=16, max_num_seqs=1)
-    graphdef, params, forward, kv, _ = _place_model(model_config, tensors, None, probe.capacity(), 1,
+    graphdef, params, forward, kv, _ = place_model(model_config, tensors, None, probe.capacity(), 1,
                                                     None, impl)
     total = Memory(device_memory_bytes, "injected device_memory_bytes") if device_memory_bytes else None
 

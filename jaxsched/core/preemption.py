@@ -1,7 +1,7 @@
 """Preemption by RECOMPUTE and by SWAP, as transitions over a mask of victims.
 
 The running walk picks victims; this module decides each victim's mode (SPEC A5, B1; mode
-"auto" compares cost_model.py's two costs per victim) and applies it: recompute frees the device blocks and sends the group to the front of
+"auto" compares core/costs.py's two costs per victim) and applies it: recompute frees the device blocks and sends the group to the front of
 `waiting`; swap moves its unique blocks to host blocks and sends it to the tail of
 `swapped`. Arrays named `_w` are in walk order, the rest in slot space. The scheduler calls
 `preempt` under a `lax.cond`: most steps preempt nobody.
@@ -14,11 +14,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxsched.block_pool import add_refs, cumsum, free_list, mask_rank, take_ranked, write_pairs
-from jaxsched.config import PREEMPT_COST, PREEMPT_DEFAULT, PREEMPT_RECOMPUTE, PREEMPT_SWAP
-from jaxsched.cost_model import recompute_seconds, swap_seconds
-from jaxsched.placement import SWAP_OUT, Blocks
-from jaxsched.state import SWAPPED, WAITING
+from jaxsched.core.block_pool import add_refs, cumsum, free_list, mask_rank, take_ranked, write_pairs
+from jaxsched.core.config import PREEMPT_COST, PREEMPT_DEFAULT, PREEMPT_RECOMPUTE, PREEMPT_SWAP
+from jaxsched.core.costs import recompute_seconds, swap_seconds
+from jaxsched.core.placement import SWAP_OUT, Blocks
+from jaxsched.core.state import SWAPPED, WAITING
 
 
 def reverse_exclusive_cumsum(x: jax.Array) -> jax.Array:

@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxsched.block_pool import cummin, cumsum, exclusive_cumsum, first_true
-from jaxsched.state import RUNNING, SWAPPED, WAITING, SchedulerState
+from jaxsched.core.block_pool import cummin, cumsum, exclusive_cumsum, first_true
+from jaxsched.core.state import RUNNING, SWAPPED, WAITING, SchedulerState
 
 BIG = 2**30          # a Python int: importing jaxsched must not start a JAX backend
 

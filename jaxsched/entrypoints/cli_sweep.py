@@ -73,7 +73,7 @@ def register(subparsers) -> None:
     s("--preemption-mode", metavar="SPEC", help="e.g. recompute,swap,auto,default "
       "(default: vLLM's mode); None keeps the trace's")
     s("--preemption-costs", metavar="FILE", help="cost model of mode auto (JSON from "
-      "cost_model.PreemptionCosts.to_json, e.g. benchmarks/results/preemption_costs_cpu.json)")
+      "core.costs.PreemptionCosts.to_json, e.g. benchmarks/results/preemption_costs_cpu.json)")
     for name in ("num_host_blocks", "max_num_batched_tokens", "max_model_len", "watermark", "delay_factor"):
         s(_flag(name), metavar="SPEC", help=f"sweep axis {name}: a list a,b,c or a range "
           "start:stop:step; None keeps the trace's")
@@ -158,7 +158,7 @@ def plot_results(rows: list[dict], out_dir, prefix: str = "sweep") -> list:
     per preemption mode, one line per max_num_seqs (and any other swept field)."""
     from matplotlib.figure import Figure
 
-    from jaxsched.sweep import SWEEP_FIELDS
+    from jaxsched.sim.sweep import SWEEP_FIELDS
 
     seconds = rows and rows[0].get("latency_mean_s") is not None
     unit, sfx = ("s", "_s") if seconds else ("steps", "")
@@ -207,7 +207,7 @@ def _read_lengths(path: str) -> list[int]:
 
 
 def _dist(args, kind: str, default):
-    from jaxsched.workload import LogNormal
+    from jaxsched.sim.workload import LogNormal
 
     mu, sigma, path = (getattr(args, f"{kind}_{k}") for k in ("mu", "sigma", "lengths"))
     if path is not None:
@@ -218,8 +218,8 @@ def _dist(args, kind: str, default):
 
 
 def cmd_trace_generate(args) -> int:
-    from jaxsched.trace import TraceError
-    from jaxsched.workload import LogNormal, generate_trace
+    from jaxsched.sim.trace import TraceError
+    from jaxsched.sim.workload import LogNormal, generate_trace
 
     config = {name: getattr(args, name) for name, _, _ in CONFIG_FLAGS if getattr(args, name) is not None}
     if args.enable_chunked_prefill:
@@ -269,9 +269,9 @@ def _one_line(error: Exception) -> str:
 
 
 def cmd_sweep(args) -> int:
-    from jaxsched.sweep import MEMORY_FIELDS, SWEEP_FIELDS, SweepError, pick_smallest, sweep
-    from jaxsched.trace import TraceError, load_trace
-    from jaxsched.workload import StepTimeModel
+    from jaxsched.sim.sweep import MEMORY_FIELDS, SWEEP_FIELDS, SweepError, pick_smallest, sweep
+    from jaxsched.sim.trace import TraceError, load_trace
+    from jaxsched.sim.workload import StepTimeModel
 
     axes = {f: getattr(args, f) for f in (*SWEEP_FIELDS, *MEMORY_FIELDS, "block_size", "enable_chunked_prefill")
             if getattr(args, f, None) is not None}
@@ -286,7 +286,7 @@ def cmd_sweep(args) -> int:
             model = StepTimeModel(*(float(p) for p in parts))
         memory = None
         if args.model:
-            from jaxsched.sizing import GiB, profile_model
+            from jaxsched.engine.sizing import GiB, profile_model
             memory = profile_model(args.model, dtype=args.dtype, device_memory_bytes=int(
                 args.device_memory * GiB) if args.device_memory else None)
         elif args.device_memory is not None:

@@ -12,8 +12,8 @@ import jax.numpy as jnp
 from flax import struct
 from jax import lax
 
-from jaxsched.block_pool import add_refs, entry_valid, exclusive_cumsum
-from jaxsched.state import (ABORTED, EMPTY, FINISHED, IGNORE_NEVER_FITS, IGNORE_TOO_MANY_SEQS,
+from jaxsched.core.block_pool import add_refs, entry_valid, exclusive_cumsum
+from jaxsched.core.state import (ABORTED, EMPTY, FINISHED, IGNORE_NEVER_FITS, IGNORE_TOO_MANY_SEQS,
                             IGNORED, LENGTH_CAPPED, RUNNING, STOPPED, SWAPPED, WAITING,
                             SchedulerState)
 

@@ -1,0 +1,1 @@
+"""The paged KV cache: device and host pools, their kernels, and paged attention."""
