@@ -87,7 +87,7 @@ def server():
 def small_server():
     proc, base = _start(SMALL, "--max-waiting-requests", "256")
     yield base
-    assert _stop(proc, signal.SIGTERM) == 0     # what a process manager sends
+    assert _stop(proc) == 0
 
 
 @pytest.fixture(scope="module")
