@@ -34,7 +34,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from _common import save_results, time_interleaved  # noqa: E402
-from jaxsched import sharding as sh  # noqa: E402
+from jaxsched.engine import sharding as sh  # noqa: E402
 from jaxsched.cache.attention import make_metadata  # noqa: E402
 from models import llama  # noqa: E402
 

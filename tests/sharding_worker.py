@@ -19,8 +19,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from jaxsched import kv_cache as kc  # noqa: E402
-from jaxsched import sharding as sh  # noqa: E402
+from jaxsched.cache import kv_cache as kc  # noqa: E402
+from jaxsched.engine import sharding as sh  # noqa: E402
 from jaxsched.cache.attention import make_metadata  # noqa: E402
 from models import llama  # noqa: E402
 
