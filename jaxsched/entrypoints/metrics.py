@@ -15,49 +15,46 @@ TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 E2E_BUCKETS = (1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0)
 
 
+# Every metric once: (attribute, kind, name, help, extra). `extra` is a histogram's buckets,
+# or the name of a second label: such a metric is labelled per value by its user, the
+# others are bound to the model's name here.
+METRICS = (
+    ("num_requests_running", Gauge, "vllm:num_requests_running", "Number of requests currently running on GPU.", None),
+    ("num_requests_waiting", Gauge, "vllm:num_requests_waiting", "Number of requests waiting to be processed.", None),
+    ("num_requests_swapped", Gauge, "vllm:num_requests_swapped", "Number of requests swapped to CPU.", None),
+    ("gpu_cache_usage", Gauge, "vllm:gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent usage.", None),
+    ("cpu_cache_usage", Gauge, "vllm:cpu_cache_usage_perc", "CPU KV-cache usage. 1 means 100 percent usage.", None),
+    ("num_preemptions", Counter, "vllm:num_preemptions_total", "Cumulative number of preemption from the engine.",
+     None),
+    # Not one of vLLM's: which way the engine preempted (recompute or swap).
+    ("preemptions_by_mode", Counter, "jaxsched:num_preemptions_by_mode", "Cumulative preemptions by mode.", "mode"),
+    ("prompt_tokens", Counter, "vllm:prompt_tokens_total", "Number of prefill tokens processed.", None),
+    ("generation_tokens", Counter, "vllm:generation_tokens_total", "Number of generation tokens processed.", None),
+    ("request_success", Counter, "vllm:request_success", "Count of successfully processed requests.",
+     "finished_reason"),
+    ("time_to_first_token", Histogram, "vllm:time_to_first_token_seconds",
+     "Histogram of time to first token in seconds.", TTFT_BUCKETS),
+    ("time_per_output_token", Histogram, "vllm:time_per_output_token_seconds",
+     "Histogram of time per output token in seconds.", TPOT_BUCKETS),
+    ("e2e_request_latency", Histogram, "vllm:e2e_request_latency_seconds",
+     "Histogram of end to end request latency in seconds.", E2E_BUCKETS),
+)
+
+
+def _declare(registry: CollectorRegistry, model_name: str, kind, name: str, doc: str, extra):
+    if kind is Counter:
+        name = name.removesuffix("_total")      # prometheus-client appends `_total` itself
+    if isinstance(extra, str):
+        return kind(name, doc, ["model_name", extra], registry=registry)
+    more = {"buckets": extra} if kind is Histogram else {}
+    return kind(name, doc, ["model_name"], registry=registry, **more).labels(model_name)
+
+
 class Metrics:
     """One registry per server (not the process-global one: tests may build several apps)."""
 
     def __init__(self, model_name: str):
-        self.registry = reg = CollectorRegistry()
-        labels = ["model_name"]
-
-        def gauge(name, doc):
-            return Gauge(name, doc, labels, registry=reg).labels(model_name)
-
-        def counter(name, doc):
-            # prometheus-client appends `_total` to counters itself.
-            return Counter(name.removesuffix("_total"), doc, labels, registry=reg).labels(model_name)
-
-        def histogram(name, doc, buckets):
-            return Histogram(name, doc, labels, buckets=buckets, registry=reg).labels(model_name)
-
-        self.num_requests_running = gauge("vllm:num_requests_running",
-                                          "Number of requests currently running on GPU.")
-        self.num_requests_waiting = gauge("vllm:num_requests_waiting",
-                                          "Number of requests waiting to be processed.")
-        self.num_requests_swapped = gauge("vllm:num_requests_swapped",
-                                          "Number of requests swapped to CPU.")
-        self.gpu_cache_usage = gauge("vllm:gpu_cache_usage_perc",
-                                     "GPU KV-cache usage. 1 means 100 percent usage.")
-        self.cpu_cache_usage = gauge("vllm:cpu_cache_usage_perc",
-                                     "CPU KV-cache usage. 1 means 100 percent usage.")
-        self.num_preemptions = counter("vllm:num_preemptions_total",
-                                       "Cumulative number of preemption from the engine.")
-        # Not one of vLLM's: which way the engine preempted (recompute or swap).
-        self.preemptions_by_mode = Counter("jaxsched:num_preemptions_by_mode",
-                                           "Cumulative preemptions by mode.", ["model_name", "mode"],
-                                           registry=reg)
-        self.prompt_tokens = counter("vllm:prompt_tokens_total", "Number of prefill tokens processed.")
-        self.generation_tokens = counter("vllm:generation_tokens_total",
-                                         "Number of generation tokens processed.")
-        self.request_success = Counter("vllm:request_success", "Count of successfully processed requests.",
-                                       ["model_name", "finished_reason"], registry=reg)
-        self.time_to_first_token = histogram("vllm:time_to_first_token_seconds",
-                                             "Histogram of time to first token in seconds.", TTFT_BUCKETS)
-        self.time_per_output_token = histogram("vllm:time_per_output_token_seconds",
-                                               "Histogram of time per output token in seconds.", TPOT_BUCKETS)
-        self.e2e_request_latency = histogram("vllm:e2e_request_latency_seconds",
-                                             "Histogram of end to end request latency in seconds.",
-                                             E2E_BUCKETS)
+        self.registry = CollectorRegistry()
         self.model_name = model_name
+        for attr, kind, name, doc, extra in METRICS:
+            setattr(self, attr, _declare(self.registry, model_name, kind, name, doc, extra))
