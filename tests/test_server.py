@@ -87,7 +87,7 @@ def server():
 def small_server():
     proc, base = _start(SMALL, "--max-waiting-requests", "256")
     yield base
-    assert _stop(proc) == 0
+    assert _stop(proc, signal.SIGTERM) == 0          # a service manager's stop is a clean exit
 
 
 @pytest.fixture(scope="module")
@@ -140,6 +140,38 @@ def test_completion_greedy_equals_offline(server, offline):
     res = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0)
     assert res.usage.prompt_tokens == len(offline.tokenizer.encode(PROMPTS[0]))
     assert res.usage.completion_tokens <= 12 and res.choices[0].finish_reason in ("length", "stop")
+
+
+def test_several_prompts_in_one_completion(server, offline):
+    """A list of prompts is one request with choices k*n+j, as in vLLM; streamed alike."""
+    client = _client(server)
+    prompts = PROMPTS[3:6]
+    res = client.completions.create(model=MODEL, prompt=prompts, max_tokens=8, temperature=0)
+    assert [c.index for c in res.choices] == [0, 1, 2]
+    assert [c.text for c in res.choices] == _offline_greedy(offline, prompts, 8)
+    assert res.usage.prompt_tokens == sum(len(offline.tokenizer.encode(p)) for p in prompts)
+    ids = [offline.tokenizer.encode(p) for p in prompts[:2]]
+    two = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0, n=2)
+    assert sorted(c.index for c in two.choices) == [0, 1, 2, 3]
+    assert [c.text for c in sorted(two.choices, key=lambda c: c.index)][::2] == [c.text for c in res.choices[:2]]
+    chunks = list(client.completions.create(model=MODEL, prompt=prompts, max_tokens=8, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    texts = ["", "", ""]
+    for chunk in chunks:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == [c.text for c in res.choices]
+    assert chunks[-1].usage.total_tokens == res.usage.total_tokens
+
+
+def test_one_bad_prompt_in_a_list_queues_nothing(server):
+    before = _metrics(server)["vllm:prompt_tokens_total"]
+    r = httpx.post(server + "/v1/completions", timeout=60, headers={"Authorization": f"Bearer {KEY}"},
+                   json={"model": MODEL, "prompt": ["fine", "hello " * 300], "max_tokens": 4})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt[1]", r.text
+    assert "max_model_len=256" in r.json()["error"]["message"]
+    time.sleep(1.0)
+    assert _metrics(server)["vllm:prompt_tokens_total"] == before        # "fine" never ran
 
 
 def test_chat_greedy_equals_offline(server, offline):

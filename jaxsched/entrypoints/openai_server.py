@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import re
+import signal
 import sys
 import time
 import uuid
@@ -133,18 +134,14 @@ class OpenAIServer:
         async def completions(request: Request):
             req = await _read_json(request, CompletionRequest, self.max_body_bytes)
             self._check_model(req.model)
-            prompt = req.prompt
-            if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-                if len(prompt) != 1:
-                    raise ApiError("prompt: a list of several prompts is not supported; "
-                                   "send one prompt per request", "prompt")
-                prompt = prompt[0]
-            if isinstance(prompt, str):
-                ids = self._tokenizer().encode(prompt)
-            else:
-                ids = list(prompt)
-            params = self._params(req, ids, "prompt", req.max_tokens or 16, req.logprobs)
-            return await self._serve(request, req, ids, params, chat=False)
+            prompts = _prompt_list(req.prompt)
+            # Every prompt is checked before any is queued: one bad prompt fails the call alone.
+            batch = []
+            for k, prompt in enumerate(prompts):
+                field = "prompt" if len(prompts) == 1 else f"prompt[{k}]"
+                ids = self._tokenizer().encode(prompt) if isinstance(prompt, str) else list(prompt)
+                batch.append((ids, self._params(req, ids, field, req.max_tokens or 16, req.logprobs)))
+            return await self._serve(request, req, batch, chat=False)
 
         @app.post("/v1/chat/completions")
         async def chat_completions(request: Request):
@@ -159,7 +156,7 @@ class OpenAIServer:
             logprobs = (req.top_logprobs or 0) if req.logprobs else None
             max_tokens = req.max_tokens or max(self.llm.config.max_model_len - len(ids), 1)
             params = self._params(req, ids, "messages", max_tokens, logprobs)
-            return await self._serve(request, req, ids, params, chat=True)
+            return await self._serve(request, req, [(ids, params)], chat=True)
 
         return app
 
@@ -202,55 +199,119 @@ class OpenAIServer:
         return params
 
     # ------------------------------------------------------------ serving
-    async def _serve(self, request: Request, req, ids, params, chat: bool):
+    async def _serve(self, request: Request, req, batch, chat: bool):
+        """Queue every (ids, params) of `batch` as its own engine request and answer them as one
+        response: prompt k's samples are choices k*n .. k*n+n-1, as in vLLM."""
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        rids = [rid] if len(batch) == 1 else [f"{rid}-{k}" for k in range(len(batch))]
+        queues = []
         try:
-            outputs = await self.engine.add(rid, ids, params)
-        except QueueFull as e:
-            raise ApiError(str(e), None, 503, "ServiceUnavailableError") from None
-        except ValueError as e:
+            for sub, (ids, params) in zip(rids, batch):
+                queues.append(await self.engine.add(sub, ids, params))
+        except (QueueFull, ValueError) as e:
+            for sub in rids[:len(queues)]:          # all or nothing
+                self.engine.abort(sub)
+            if isinstance(e, QueueFull):
+                raise ApiError(str(e), None, 503, "ServiceUnavailableError") from None
             raise ApiError(str(e), _field_of(str(e))) from None
-        shape = _Shape(self, rid, chat, len(ids), params, req)
+        shapes = [_Shape(self, rid, chat, len(ids), params, req, offset=k * params.n)
+                  for k, (ids, params) in enumerate(batch)]
+        outputs = _Merged(queues)
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(self._stream(rid, outputs, shape, usage),
+            return StreamingResponse(self._stream(rids, outputs, shapes, usage),
                                      media_type="text/event-stream")
-        while True:
-            try:
-                out = await asyncio.wait_for(outputs.get(), 1.0)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    self.engine.abort(rid)
-                    return Response(status_code=499)
-                continue
-            if isinstance(out, BaseException):
-                raise ApiError(f"the engine failed: {out}", None, 500, "InternalServerError")
-            if out.finished:
-                return shape.full(out)
-
-    async def _stream(self, rid, outputs: asyncio.Queue, shape: "_Shape", usage: bool):
-        finished = False
+        last: dict[int, object] = {}
         try:
-            if shape.chat:
-                yield _sse(shape.chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                                         "logprobs": None, "finish_reason": None}
-                                        for i in range(shape.params.n)]))
-            while not finished:
-                out = await outputs.get()
+            while len(last) < len(batch):
+                try:
+                    k, out = await asyncio.wait_for(outputs.get(), 1.0)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        for sub in rids:
+                            self.engine.abort(sub)
+                        return Response(status_code=499)
+                    continue
+                if isinstance(out, BaseException):
+                    raise ApiError(f"the engine failed: {out}", None, 500, "InternalServerError")
+                if out.finished:
+                    last[k] = out
+        finally:
+            outputs.close()
+        return _full(shapes, [last[k] for k in range(len(batch))])
+
+    async def _stream(self, rids, outputs, shapes: list["_Shape"], usage: bool):
+        finished = [False] * len(shapes)
+        last = [None] * len(shapes)
+        try:
+            if shapes[0].chat:
+                yield _sse(shapes[0].chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                             "logprobs": None, "finish_reason": None}
+                                            for i in range(shapes[0].params.n)]))
+            while not all(finished):
+                k, out = await outputs.get()
                 if isinstance(out, BaseException):
                     yield _sse(error_body(f"the engine failed: {out}", None, "InternalServerError", 500))
                     break
-                finished = out.finished
-                choices = shape.deltas(out)
+                finished[k], last[k] = out.finished, out
+                choices = shapes[k].deltas(out)
                 if choices:
-                    yield _sse(shape.chunk(choices))
-            if usage and finished:
-                yield _sse(shape.chunk([], usage=shape.usage(out)))
+                    yield _sse(shapes[0].chunk(choices))
+            if usage and all(finished):
+                yield _sse(shapes[0].chunk([], usage=_usage(shapes, last)))
             yield "data: [DONE]\n\n"
         finally:
-            # The client went away mid-stream (the task is cancelled here): stop its request now.
-            if not finished:
-                self.engine.abort(rid)
+            outputs.close()
+            # The client went away mid-stream (the task is cancelled here): stop its requests now.
+            for sub, done in zip(rids, finished):
+                if not done:
+                    self.engine.abort(sub)
+
+
+def _prompt_list(prompt) -> list:
+    """OpenAI's prompt forms as a list of prompts: a string, a list of strings, a list of
+    token ids, or a list of token-id lists."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        return list(prompt)
+    return [prompt]
+
+
+class _Merged:
+    """The outputs of several requests' queues as (k, output) on one queue, in arrival order;
+    a forwarder per queue ends after its request's last output. `get` may be cancelled
+    (a timeout) without losing anything."""
+
+    def __init__(self, queues: list[asyncio.Queue]):
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.tasks = [asyncio.ensure_future(self._forward(k, q)) for k, q in enumerate(queues)]
+
+    async def _forward(self, k: int, source: asyncio.Queue) -> None:
+        while True:
+            out = await source.get()
+            self.queue.put_nowait((k, out))
+            if isinstance(out, BaseException) or out.finished:
+                return
+
+    async def get(self):
+        return await self.queue.get()
+
+    def close(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+
+
+def _usage(shapes: list["_Shape"], outs) -> dict:
+    prompt = sum(s.prompt_len for s in shapes)
+    completion = sum(len(c.token_ids) for out in outs for c in out.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _full(shapes: list["_Shape"], outs) -> dict:
+    first = shapes[0]
+    return {"id": first.rid, "object": "chat.completion" if first.chat else "text_completion",
+            "created": first.created, "model": first.server.model_name,
+            "choices": [c for shape, out in zip(shapes, outs) for c in shape.choices(out)],
+            "usage": _usage(shapes, outs)}
 
 
 def _sse(obj) -> str:
@@ -260,8 +321,10 @@ def _sse(obj) -> str:
 class _Shape:
     """One request's responses in OpenAI's formats, whole or as stream chunks."""
 
-    def __init__(self, server: OpenAIServer, rid: str, chat: bool, prompt_len: int, params, req):
+    def __init__(self, server: OpenAIServer, rid: str, chat: bool, prompt_len: int, params, req,
+                 offset: int = 0):
         self.server, self.rid, self.chat, self.prompt_len, self.params = server, rid, chat, prompt_len, params
+        self.offset = offset                     # this prompt's first choice index
         self.created = int(time.time())
         self.tok = server.llm.tokenizer
         # A stop string may arrive over several tokens: hold back that many characters of
@@ -277,11 +340,6 @@ class _Shape:
         if usage is not None:
             body["usage"] = usage
         return body
-
-    def usage(self, out) -> dict:
-        completion = sum(len(c.token_ids) for c in out.outputs)
-        return {"prompt_tokens": self.prompt_len, "completion_tokens": completion,
-                "total_tokens": self.prompt_len + completion}
 
     def _logprobs(self, c, start: int):
         if self.params.logprobs is None or c.logprobs is None:
@@ -325,25 +383,24 @@ class _Shape:
             reason = (c.finish_reason or "abort") if finished else None
             self.done[i] = finished
             if self.chat:
-                choices.append({"index": i, "delta": {"content": delta} if delta or not finished else {},
+                choices.append({"index": self.offset + i, "delta": {"content": delta} if delta or not finished else {},
                                 "logprobs": lp, "finish_reason": reason})
             else:
-                choices.append({"index": i, "text": delta, "logprobs": lp, "finish_reason": reason})
+                choices.append({"index": self.offset + i, "text": delta, "logprobs": lp, "finish_reason": reason})
         return choices
 
-    def full(self, out) -> dict:
+    def choices(self, out) -> list[dict]:
+        """The finished `out` as whole choices."""
         choices = []
         for c in out.outputs:
-            lp = self._logprobs(c, 0)
+            lp, index = self._logprobs(c, 0), self.offset + c.index
             if self.chat:
-                choices.append({"index": c.index, "message": {"role": "assistant", "content": self._text(c)},
+                choices.append({"index": index, "message": {"role": "assistant", "content": self._text(c)},
                                 "logprobs": lp, "finish_reason": c.finish_reason})
             else:
-                choices.append({"index": c.index, "text": self._text(c), "logprobs": lp,
+                choices.append({"index": index, "text": self._text(c), "logprobs": lp,
                                 "finish_reason": c.finish_reason})
-        return {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.server.model_name, "choices": choices,
-                "usage": self.usage(out)}
+        return choices
 
 
 # ---------------------------------------------------------------- CLI
@@ -421,6 +478,17 @@ def run_server(args: argparse.Namespace) -> int:
           f"http://{args.host}:{args.port}", flush=True)
     # uvicorn handles SIGINT/SIGTERM: it stops accepting, lets open requests finish for a
     # few seconds, cancels the rest (their requests are aborted), then stops the engine loop.
-    uvicorn.run(server.app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=5)
+    # Afterwards it raises the signal again under the handlers it found; ours only note it, so
+    # a shutdown asked for is a clean exit (status 0), not a death by signal.
+    received: list[int] = []
+    previous = {sig: signal.signal(sig, lambda s, _frame: received.append(s))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        uvicorn.run(server.app, host=args.host, port=args.port, log_level=args.log_level,
+                    timeout_graceful_shutdown=5)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if received:
+        print(f"jaxsched serve: stopped by {signal.Signals(received[0]).name}", flush=True)
     return 0
