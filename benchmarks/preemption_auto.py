@@ -90,7 +90,7 @@ def workload(num: int, vocab: int):
 def run_once(model, tokenizer, mode: str, costs, prompts, params) -> tuple[dict, list]:
     llm = LLM(model, tokenizer=tokenizer, seed=SEED, preemption_mode=mode, preemption_costs=costs, **CAPACITY)
     llm.generate([list(range(1, 17))], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
-    before, run_before = llm.stats(), llm._stats["tokens_run"]
+    before, run_before = llm.stats(), llm._stats.counts["tokens_run"]
     cpu0, start = time.process_time(), time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu0
@@ -101,7 +101,7 @@ def run_once(model, tokenizer, mode: str, costs, prompts, params) -> tuple[dict,
         raise AssertionError(f"{mode}: {out_tokens} output tokens, not what ignore_eos asks for")
     keys = ("steps", "preempted_recompute", "preempted_swap", "blocks_swapped_out", "blocks_swapped_in")
     row = {"mode": mode, "seconds": wall, "cpu_seconds": cpu, "output_tokens": out_tokens,
-           "output_tokens_per_s": out_tokens / wall, "tokens_run": llm._stats["tokens_run"] - run_before,
+           "output_tokens_per_s": out_tokens / wall, "tokens_run": llm._stats.counts["tokens_run"] - run_before,
            **{k: after[k] - before[k] for k in keys}, "load_average": os.getloadavg()[0]}
     return row, tokens
 

@@ -59,7 +59,7 @@ def run(model, tokenizer, reqs, util, swap, capacity):
     llm = LLM(model, tokenizer=tokenizer, gpu_memory_utilization=util, swap_space=swap,
               device_memory_bytes=int(DEVICE_GIB * (1 << 30)), **ENGINE, **capacity)
     llm.warm_up()                                  # compiled once; later runs reuse it
-    llm._stats.clear()
+    llm._stats.counts.clear()
     rng = np.random.default_rng(1)
     prompts = [rng.integers(1, 40000, r["prompt_len"]).tolist() for r in reqs]
     captured = []

@@ -24,7 +24,7 @@ then `time.perf_counter()` around `llm.generate(..., use_tqdm=False)`, the timed
 Columns: output tokens/s and requests/s of the timed generate (wall clock), and output tokens
 per CPU-second of this process (steadier than wall clock on a shared machine); preemptions and
 blocks swapped out/in during it (from `LLM.stats()`); peak device blocks in use; host % =
-wall time outside the jitted step (request packing, `_absorb`, dispatch); "same" counts
+wall time outside the jitted step (request packing, output processing, dispatch); "same" counts
 requests whose tokens equal the large-cache run's (preemption should be invisible).
 The machine is shared: the 1-minute load average and the process CPU time are recorded.
 

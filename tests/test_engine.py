@@ -52,7 +52,7 @@ def run(llm: LLM, prompts, params, check=True, prefix="r"):
         llm.step()
         if check:
             check_invariants(llm.state.sched, llm.config)
-    return {rid: [o.token_ids for o in llm._requests[llm._by_id[rid]].output().outputs] for rid in ids}
+    return {rid: [o.token_ids for o in llm.output(rid).outputs] for rid in ids}
 
 
 def mixed_params(num):
@@ -159,7 +159,7 @@ def test_engine__step_never_copies_the_kv_pools(model, impl):
     token-bucket branch that wrote it, so the model only reads it and one scatter after the
     switch writes the step's K/V. Read from the compiled step: no copy of a pool's shape."""
     llm = make_llm(model, attention_impl=impl)
-    new, _ = llm._new_requests()
+    new = llm._processor.new_requests(0.0)
     compiled = jax.jit(step_impl, static_argnames=("spec",), donate_argnums=(0,)).lower(
         llm.state, llm.params, new, jnp.float32(0), spec=llm.spec).compile()
     pool = "f32[" + ",".join(map(str, llm.state.kv.k.shape)) + "]"
@@ -213,7 +213,7 @@ def test_engine__bad_requests_fail_alone(model):
     llm.add_request("ok2", [7, 8], SamplingParams(max_tokens=3, temperature=0.0))
     while llm.has_unfinished():
         llm.step()
-    outs = {rid: llm._requests[llm._by_id[rid]].output() for rid in ("ok", "huge", "ok2")}
+    outs = {rid: llm.output(rid) for rid in ("ok", "huge", "ok2")}
     assert outs["huge"].outputs[0].finish_reason == "ignored" and outs["huge"].message
     assert len(outs["ok"].outputs[0].token_ids) == 4 and len(outs["ok2"].outputs[0].token_ids) == 3
 
@@ -228,7 +228,7 @@ def test_engine__abort_frees_blocks_and_stops_only_that_request(model):
     while llm.has_unfinished():
         llm.step()
         check_invariants(llm.state.sched, llm.config)
-    outs = {f"a{i}": llm._requests[llm._by_id[f"a{i}"]].output() for i in range(4)}
+    outs = {f"a{i}": llm.output(f"a{i}") for i in range(4)}
     assert outs["a1"].outputs[0].finish_reason == "abort"
     assert all(outs[f"a{i}"].outputs[0].finish_reason == "length" for i in (0, 2, 3))
     assert int(np.asarray(llm.state.sched.device_ref).sum()) == 0

@@ -44,7 +44,7 @@ GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
 
 def _idle(llm) -> bool:
-    return not llm.has_unfinished() and not llm._queue
+    return not llm.has_unfinished() and not llm.num_queued()
 
 
 # ----------------------------------------------------------------------------- requests
@@ -85,10 +85,10 @@ def test_front_ends_agree_on_an_overlong_prompt(llm):
     (None, GREEDY, "prompts: must be"),
 ])
 def test_generate__a_malformed_batch_is_rejected_whole_with_nothing_queued(llm, prompts, params, match):
-    before = len(llm._requests)
+    before = len(llm._processor.requests)
     with pytest.raises(ValueError, match=match):
         llm.generate(prompts, params, use_tqdm=False)
-    assert len(llm._requests) == before and _idle(llm)
+    assert len(llm._processor.requests) == before and _idle(llm)
 
 
 def test_chat__a_list_of_conversations_returns_a_list(llm):

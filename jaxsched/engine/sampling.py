@@ -16,7 +16,7 @@ token will take in the sequence) and of nothing else -- not the step, the slot, 
 row or the other rows in the batch::
 
     base  = PRNGKey(seed) = (0, seed)                    if the request has a seed
-          = (0x9E3779B9 ^ engine seed, request index)    otherwise (LLM._new_requests)
+          = (0x9E3779B9 ^ engine seed, request index)    otherwise (input_processor.request_key)
     key   = fold_in(fold_in(base, seq_index), position)  (token_key)
 
 and a row's token depends only on its logits, its parameters and its key. So a sequence

@@ -6,10 +6,11 @@
 
 Requests are validated here, on the host, before anything reaches the jitted step: a bad
 request raises `ValueError` naming the field and the limit and leaves the others untouched.
+The host bookkeeping of accepted requests (queue, packing, outputs, stop strings) is the
+engine's `OutputProcessor`, and the counters of `stats()` its `EngineStats`.
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import pathlib
@@ -20,53 +21,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsched.core.config import PreemptionMode, SchedulerConfig
+from jaxsched.core.config import SchedulerConfig
 from jaxsched.core.costs import PreemptionCosts
 from jaxsched.engine import sizing
 from jaxsched.engine.cost_measure import measure_preemption_costs
 from jaxsched.engine.sharding import place_model
-from jaxsched.engine.step import (EngineSpec, NewRequests, SamplingRows, init_engine, step_impl,
-                                  token_buckets)
+from jaxsched.engine.output_processor import OutputProcessor
+from jaxsched.engine.params import RequestOutput, SamplingParams
+from jaxsched.engine.stats import EngineStats
+from jaxsched.engine.step import EngineSpec, init_engine, step_impl, token_buckets
 from jaxsched.entrypoints.compilation_cache import enable_compilation_cache
-from jaxsched.engine.params import MAX_STOP_TOKEN_IDS, CompletionOutput, RequestOutput, SamplingParams
-from jaxsched.core.requests import RequestBatch, abort as abort_slots
-from jaxsched.core.state import IGNORE_REASONS, FinishReason, Status, set_limits
+from jaxsched.core.requests import abort as abort_slots
+from jaxsched.core.state import Status, set_limits
 
-# vLLM's finish_reason strings.
-FINISH = {FinishReason.LENGTH_CAPPED: "length", FinishReason.STOPPED: "stop",
-          FinishReason.IGNORED: "ignored", FinishReason.ABORTED: "abort"}
 ENGINE_ARGS = {f.name for f in dataclasses.fields(SchedulerConfig)}
 Prompt = Union[str, Sequence[int]]
-
-
-@dataclasses.dataclass
-class _Request:
-    index: int
-    request_id: str
-    prompt: Optional[str]
-    prompt_ids: list[int]
-    params: SamplingParams
-    tokens: list[list[int]]
-    logprobs: list[list[float]]
-    reasons: list[Optional[str]]
-    detok: list
-    text: list[str]
-    finished: bool = False
-    message: Optional[str] = None
-    text_stopped: set = dataclasses.field(default_factory=set)   # sequences cut at a stop string
-    top_logprobs: list = dataclasses.field(default_factory=list)  # per sequence, when logprobs > 0
-
-    def output(self) -> RequestOutput:
-        outs = []
-        for i in range(self.params.n):
-            lp = self.logprobs[i] if self.params.logprobs is not None else None
-            outs.append(CompletionOutput(
-                index=i, token_ids=list(self.tokens[i]), text=self.text[i] if self.detok else None,
-                finish_reason=self.reasons[i], logprobs=list(lp) if lp is not None else None,
-                cumulative_logprob=float(sum(lp)) if lp is not None else None,
-                top_logprobs=list(self.top_logprobs[i]) if self.top_logprobs else None))
-        return RequestOutput(self.request_id, self.prompt, list(self.prompt_ids), outs,
-                             self.finished, self.message)
 
 
 class _FrontEnd:
@@ -248,19 +217,12 @@ class LLM(_FrontEnd):
             costs, self.cost_measurements = self.measure_preemption_costs()
             self.config = dataclasses.replace(self.config, preemption_costs=costs)
             self.state = self.state.replace(sched=set_limits(self.state.sched, self.config))
-        self._seed = seed
-        self._rows = max_requests_per_step
-        self._requests: dict[int, _Request] = {}
-        self._by_id: dict[str, int] = {}
-        self._queue: collections.deque[int] = collections.deque()
-        self._active = 0
-        self._next = 0
         self._t0 = time.monotonic()
-        self._stats = collections.Counter()
-        self._peak = [0, 0]
-        self._busy = 0.0
-        self._compile = 0.0
-        self._first_tokens = 0
+        self._stats = EngineStats(self.config.num_device_blocks, self.config.num_host_blocks)
+        self._processor = OutputProcessor(
+            tokenizer=self.tokenizer, max_model_len=self.config.max_model_len, num_slots=self.spec.cap.num_slots,
+            rows=max_requests_per_step, max_prompt_len=self.spec.max_prompt_len, seed=seed,
+            stats=self._stats)
 
     def measure_preemption_costs(self, **kw):
         """Time this model's prefill and this cache's swaps on the running backend.
@@ -314,7 +276,7 @@ class LLM(_FrontEnd):
         """Every check of one request, changing nothing: raises ValueError naming the field."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id: must be a non-empty string, got {request_id!r}")
-        if request_id in self._by_id:
+        if request_id in self._processor:
             raise ValueError(f"request_id {request_id!r}: duplicate id")
         if params is None:
             params = SamplingParams()
@@ -327,200 +289,56 @@ class LLM(_FrontEnd):
         return text, ids, params
 
     def _enqueue(self, request_id: str, text: Optional[str], ids: list[int], params: SamplingParams) -> None:
-        idx = self._next
-        self._next += 1
-        n = params.n
-        detok = ([self.tokenizer.detokenizer(ids, skip_special_tokens=True) for _ in range(n)]
-                 if self.tokenizer else [])
-        req = _Request(idx, request_id, text, ids, params, [[] for _ in range(n)],
-                       [[] for _ in range(n)], [None] * n, detok, [""] * n)
-        self._requests[idx] = req
-        self._by_id[request_id] = idx
-        if len(ids) > self.config.max_model_len:
-            # As vLLM 0.5.3: an over-long prompt costs only itself. It finishes as ignored at
-            # once, with the numbers, and the engine never sees it.
-            self._stats["ignored"] += 1
-            self._finish(req, ["ignored"] * n,
-                         f"prompt has {len(ids)} tokens, more than max_model_len={self.config.max_model_len}")
-            return
-        self._queue.append(idx)
+        self._processor.add_request(request_id, text, ids, params)
+
+    @property
+    def _next(self) -> int:
+        """The next request's engine index (generate's ids are "req-<index>")."""
+        return self._processor.next_index
 
     def abort(self, request_id: str) -> None:
         """Stop a request wherever it is; its blocks are freed at once."""
-        idx = self._by_id.get(request_id)
-        if idx is None or self._requests[idx].finished:
-            return
-        req = self._requests[idx]
-        if idx in self._queue:
-            self._queue.remove(idx)
-            self._finish(req, ["abort"] * req.params.n)
-            return
+        idx = self._processor.abort_request(request_id)
+        if idx is not None:
+            self._abort_in_engine(idx)
+
+    def _abort_in_engine(self, idx: int) -> None:
         sched = self.state.sched
         mask = (sched.request_index == idx) & (sched.status != Status.EMPTY)
         self.state = self.state.replace(sched=abort_slots(sched, mask))
 
     def has_unfinished(self) -> bool:
-        return any(not r.finished for r in self._requests.values())
+        return self._processor.has_unfinished()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self._processor.num_unfinished()
 
     def num_queued(self) -> int:
         """Requests added but not yet handed to the engine (the host-side waiting queue)."""
-        return len(self._queue)
+        return self._processor.num_queued()
 
     def release(self, request_id: str) -> None:
         """Forget a finished request, so a long-running server's memory stays bounded."""
-        idx = self._by_id.get(request_id)
-        if idx is not None and self._requests[idx].finished:
-            del self._by_id[request_id], self._requests[idx]
+        self._processor.release(request_id)
 
     def output(self, request_id: str) -> RequestOutput:
         """The request's output so far."""
-        return self._requests[self._by_id[request_id]].output()
-
-    def _finish(self, req: _Request, reasons, message=None):
-        req.finished = True
-        req.reasons = [req.reasons[i] or reasons[i] for i in range(req.params.n)]
-        req.message = message
-        for i, d in enumerate(req.detok):
-            if i not in req.text_stopped:            # cut at a stop string: nothing follows
-                req.text[i] += d.flush()
+        return self._processor.output(request_id)
 
     # -------------------------------------------------------------- stepping
-    def _new_requests(self) -> tuple[NewRequests, list[int]]:
-        rows, plen = self._rows, self.spec.max_prompt_len
-        take = []
-        while self._queue and len(take) < min(rows, self.spec.cap.num_slots - self._active):
-            take.append(self._queue.popleft())
-        now = time.monotonic() - self._t0
-        arr = {k: np.zeros(rows, dt) for k, dt in (("prompt_len", np.int32), ("n", np.int32),
-               ("max_tokens", np.int32), ("request_index", np.int32), ("top_k", np.int32),
-               ("min_tokens", np.int32), ("temperature", np.float32), ("top_p", np.float32),
-               ("min_p", np.float32), ("arrival_time", np.float32), ("presence_penalty", np.float32),
-               ("frequency_penalty", np.float32), ("repetition_penalty", np.float32),
-               ("num_logprobs", np.int32))}
-        valid = np.zeros(rows, bool)
-        ignore_eos = np.zeros(rows, bool)
-        prompts = np.zeros((rows, plen), np.int32)
-        keys = np.zeros((rows, 2), np.uint32)
-        stops = np.full((rows, MAX_STOP_TOKEN_IDS), -1, np.int32)
-        for r, idx in enumerate(take):
-            req = self._requests[idx]
-            p = req.params
-            valid[r] = True
-            prompts[r, :len(req.prompt_ids)] = req.prompt_ids
-            for k, v in (("prompt_len", len(req.prompt_ids)), ("n", p.n), ("max_tokens", p.max_tokens),
-                         ("request_index", idx), ("top_k", max(p.top_k, 0)), ("min_tokens", p.min_tokens),
-                         ("temperature", p.temperature), ("top_p", p.top_p), ("min_p", p.min_p),
-                         ("arrival_time", now), ("presence_penalty", p.presence_penalty),
-                         ("frequency_penalty", p.frequency_penalty),
-                         ("repetition_penalty", p.repetition_penalty), ("num_logprobs", p.logprobs or 0)):
-                arr[k][r] = v
-            ignore_eos[r] = p.ignore_eos
-            stops[r, :len(p.stop_token_ids)] = p.stop_token_ids
-            # The base key of a request: its seed, else the engine seed and the request index.
-            keys[r] = (0, p.seed) if p.seed is not None else (0x9E3779B9 ^ self._seed, idx)
-        batch = RequestBatch(valid=jnp.asarray(valid), request_index=jnp.asarray(arr["request_index"]),
-                             prompt_len=jnp.asarray(arr["prompt_len"]), n=jnp.asarray(arr["n"]),
-                             max_tokens=jnp.asarray(arr["max_tokens"]),
-                             arrival_time=jnp.asarray(arr["arrival_time"]))
-        sampling = SamplingRows(temperature=jnp.asarray(arr["temperature"]), top_k=jnp.asarray(arr["top_k"]),
-                                top_p=jnp.asarray(arr["top_p"]), min_p=jnp.asarray(arr["min_p"]),
-                                key=jnp.asarray(keys), min_tokens=jnp.asarray(arr["min_tokens"]),
-                                ignore_eos=jnp.asarray(ignore_eos), stop_token_ids=jnp.asarray(stops),
-                                presence_penalty=jnp.asarray(arr["presence_penalty"]),
-                                frequency_penalty=jnp.asarray(arr["frequency_penalty"]),
-                                repetition_penalty=jnp.asarray(arr["repetition_penalty"]),
-                                num_logprobs=jnp.asarray(arr["num_logprobs"]))
-        self._active += len(take)
-        return NewRequests(batch=batch, prompt_tokens=jnp.asarray(prompts), sampling=sampling), take
-
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the requests that advanced or finished."""
-        new, _ = self._new_requests()
+        new = self._processor.new_requests(time.monotonic() - self._t0)
         start = time.perf_counter()
         self.state, out = self._step(self.state, self.params, new, jnp.float32(time.monotonic() - self._t0))
         out = jax.device_get(out)
-        elapsed = time.perf_counter() - start
         compiled = getattr(self._step, "compile_seconds", None)
-        if compiled is not None:
-            # A LazyStep times its compiling calls (each bucket's first); the rest is busy time.
-            self._busy += max(elapsed - (compiled - self._compile), 0.0)
-            self._compile = compiled
-        elif self._stats["steps"] == 0:
-            self._compile = elapsed          # the first step compiles the whole switch step
-        else:
-            self._busy += elapsed
-        return self._absorb(out)
-
-    def _absorb(self, out) -> list[RequestOutput]:
-        st = self._stats
-        st["steps"] += 1
-        st["preempted_recompute"] += int((out.preempted == PreemptionMode.RECOMPUTE).sum())
-        st["preempted_swap"] += int((out.preempted == PreemptionMode.SWAP).sum())
-        st["blocks_swapped_out"] += int(out.num_swap_out)
-        st["blocks_swapped_in"] += int(out.num_swap_in)
-        st["blocks_copied"] += int(out.num_copy)
-        st["tokens_run"] += int(out.num_tokens)
-        self._peak[0] = max(self._peak[0], self.config.num_device_blocks - int(out.num_free_device_blocks))
-        self._peak[1] = max(self._peak[1], self.config.num_host_blocks - int(out.num_free_host_blocks))
-        changed = []
-        if st["steps"] == 1 and not hasattr(self._step, "compile_seconds"):
-            self._first_tokens = int(out.has_token.sum())   # their step's time was the compile
-        for slot in np.nonzero(out.has_token.any(1) | out.finished)[0]:
-            req = self._requests.get(int(out.request_index[slot]))
-            if req is None or req.finished:
-                # Finished on the host at a stop string (and maybe released): the engine
-                # reports its aborted slot once, freed now.
-                self._active -= bool(out.finished[slot])
-                continue
-            for i in np.nonzero(out.has_token[slot])[0]:
-                if i >= req.params.n or i in req.text_stopped:
-                    continue
-                tok = int(out.new_token[slot, i])
-                req.tokens[i].append(tok)
-                req.logprobs[i].append(float(out.logprob[slot, i]))
-                if req.params.logprobs:
-                    if not req.top_logprobs:
-                        req.top_logprobs = [[] for _ in range(req.params.n)]
-                    k = req.params.logprobs
-                    req.top_logprobs[i].append(dict(zip(out.top_id[slot, i, :k].tolist(),
-                                                        out.top_logprob[slot, i, :k].tolist())))
-                st["output_tokens"] += 1
-                if req.detok:
-                    before = len(req.text[i])
-                    req.text[i] += req.detok[i].step(tok)
-                    if req.params.stop and len(req.tokens[i]) >= req.params.min_tokens:
-                        self._cut_at_stop(req, i, before)
-                reason = FINISH.get(int(out.seq_finish_reason[slot, i]))
-                if reason and i not in req.text_stopped:
-                    req.reasons[i] = reason
-            if not out.finished[slot] and req.text_stopped and all(req.reasons):
-                # Every sequence met a stop string: finish now, free the slot's blocks.
-                self._finish(req, req.reasons)
-                sched = self.state.sched
-                self.state = self.state.replace(sched=abort_slots(
-                    sched, (sched.request_index == req.index) & (sched.status != Status.EMPTY)))
-            elif out.finished[slot]:
-                self._active -= 1
-                reasons = [FINISH.get(int(out.seq_finish_reason[slot, i]), FINISH.get(int(out.finish_reason[slot])))
-                           for i in range(req.params.n)]
-                message = None
-                if int(out.finish_reason[slot]) == FinishReason.IGNORED:
-                    message = IGNORE_REASONS.get(int(out.ignore_reason[slot]), "ignored")
-                    st["ignored"] += 1
-                self._finish(req, reasons, message)
-            changed.append(req.output())
+        self._stats.record_time(time.perf_counter() - start, compiled)
+        self._stats.record_step(out, compiles_lazily=compiled is not None)
+        changed, stopped = self._processor.process_outputs(out)
+        for idx in stopped:                 # finished at stop strings: free their blocks now
+            self._abort_in_engine(idx)
         return changed
-
-    @staticmethod
-    def _cut_at_stop(req: _Request, i: int, before: int) -> None:
-        """vLLM's stop strings: the text ends before the first one (searched from the new text)."""
-        text = req.text[i]
-        hits = [k for s in req.params.stop
-                if (k := text.find(s, max(0, before - len(s) + 1))) != -1]
-        if hits:
-            req.text[i] = text[:min(hits)]
-            req.reasons[i] = "stop"
-            req.text_stopped.add(i)
 
     # -------------------------------------------------------------- front ends
     def warm_up(self) -> float:
@@ -559,18 +377,9 @@ class LLM(_FrontEnd):
         return time.perf_counter() - start
 
     def stats(self) -> dict:
-        st = self._stats
-        elapsed = max(self._busy, 1e-9)
-        return {
-            "steps": st["steps"], "output_tokens": st["output_tokens"],
-            # Throughput of the steps that compiled nothing.
-            "tokens_per_s": round((st["output_tokens"] - self._first_tokens) / elapsed, 1),
-            "preempted_recompute": st["preempted_recompute"], "preempted_swap": st["preempted_swap"],
-            "blocks_swapped_out": st["blocks_swapped_out"], "blocks_swapped_in": st["blocks_swapped_in"],
-            "blocks_copied": st["blocks_copied"], "ignored": st["ignored"],
-            "peak_device_blocks": self._peak[0], "peak_host_blocks": self._peak[1],
-            "engine_seconds": round(elapsed, 2), "compile_seconds": round(self._compile, 1),
-        }
+        """Steps, tokens, throughput of the steps that compiled nothing, preemptions, block
+        moves, ignored requests, peak blocks in use, engine and compile seconds."""
+        return self._stats.as_dict()
 
 
 def load_model_parts(model, tokenizer, dtype):

@@ -38,7 +38,7 @@ class DataParallelLLM(_FrontEnd):
         return self.replicas[0]._prepare(request_id, prompt, params, field)
 
     def _enqueue(self, request_id: str, text, ids, params: SamplingParams) -> None:
-        target = min(self.replicas, key=lambda r: sum(not q.finished for q in r._requests.values()))
+        target = min(self.replicas, key=LLM.get_num_unfinished_requests)
         target._enqueue(request_id, text, ids, params)
         self._owner[request_id] = target
         self._next += 1
@@ -57,6 +57,9 @@ class DataParallelLLM(_FrontEnd):
 
     def has_unfinished(self) -> bool:
         return any(r.has_unfinished() for r in self.replicas)
+
+    def get_num_unfinished_requests(self) -> int:
+        return sum(r.get_num_unfinished_requests() for r in self.replicas)
 
     def num_queued(self) -> int:
         return sum(r.num_queued() for r in self.replicas)

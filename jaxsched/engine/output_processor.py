@@ -1,0 +1,210 @@
+"""The engine's host bookkeeping of requests, as vLLM's `OutputProcessor`.
+
+Each request has a `RequestState` (prompt, parameters, tokens and text so far, finish
+reasons, detokenizers). Requests wait in a host queue until the engine has a free slot;
+`new_requests` hands the next ones over, packed (`input_processor`), and `process_outputs`
+turns a step's `StepOutput` into `RequestOutput`s: tokens, log-probabilities, incremental
+text, stop strings (vLLM's `StopChecker`: the text ends before the first one, and a request
+whose every sequence stopped is given back for the engine to abort) and finish reasons.
+
+The engine state itself is not touched here: the caller owns it and aborts what it is told.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Optional
+
+import numpy as np
+
+from jaxsched.core.state import IGNORE_REASONS, FinishReason
+from jaxsched.engine.input_processor import pack_new_requests
+from jaxsched.engine.params import CompletionOutput, RequestOutput, SamplingParams
+from jaxsched.engine.stats import EngineStats
+from jaxsched.engine.step import NewRequests
+
+# vLLM's finish_reason strings.
+FINISH = {FinishReason.LENGTH_CAPPED: "length", FinishReason.STOPPED: "stop",
+          FinishReason.IGNORED: "ignored", FinishReason.ABORTED: "abort"}
+
+
+@dataclasses.dataclass
+class RequestState:
+    index: int                 # the engine's id of the request (StepOutput.request_index)
+    request_id: str
+    prompt: Optional[str]
+    prompt_ids: list[int]
+    params: SamplingParams
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    reasons: list[Optional[str]]
+    detok: list
+    text: list[str]
+    finished: bool = False
+    message: Optional[str] = None
+    text_stopped: set = dataclasses.field(default_factory=set)   # sequences cut at a stop string
+    top_logprobs: list = dataclasses.field(default_factory=list)  # per sequence, when logprobs > 0
+
+    def output(self) -> RequestOutput:
+        outs = []
+        for i in range(self.params.n):
+            lp = self.logprobs[i] if self.params.logprobs is not None else None
+            outs.append(CompletionOutput(
+                index=i, token_ids=list(self.tokens[i]), text=self.text[i] if self.detok else None,
+                finish_reason=self.reasons[i], logprobs=list(lp) if lp is not None else None,
+                cumulative_logprob=float(sum(lp)) if lp is not None else None,
+                top_logprobs=list(self.top_logprobs[i]) if self.top_logprobs else None))
+        return RequestOutput(self.request_id, self.prompt, list(self.prompt_ids), outs,
+                             self.finished, self.message)
+
+
+def finish(req: RequestState, reasons, message: Optional[str] = None) -> None:
+    """Mark `req` finished with per-sequence `reasons` (a stop string's "stop" kept)."""
+    req.finished = True
+    req.reasons = [req.reasons[i] or reasons[i] for i in range(req.params.n)]
+    req.message = message
+    for i, d in enumerate(req.detok):
+        if i not in req.text_stopped:            # cut at a stop string: nothing follows
+            req.text[i] += d.flush()
+
+
+def cut_at_stop(req: RequestState, i: int, before: int) -> None:
+    """vLLM's stop strings: the text ends before the first one (searched from the new text)."""
+    text = req.text[i]
+    hits = [k for s in req.params.stop
+            if (k := text.find(s, max(0, before - len(s) + 1))) != -1]
+    if hits:
+        req.text[i] = text[:min(hits)]
+        req.reasons[i] = "stop"
+        req.text_stopped.add(i)
+
+
+def _append_token(req: RequestState, out, slot: int, i: int) -> None:
+    """Sequence i of `req` got its next token from `out` at `slot`: ids, log-probs, text."""
+    tok = int(out.new_token[slot, i])
+    req.tokens[i].append(tok)
+    req.logprobs[i].append(float(out.logprob[slot, i]))
+    if req.params.logprobs:
+        if not req.top_logprobs:
+            req.top_logprobs = [[] for _ in range(req.params.n)]
+        k = req.params.logprobs
+        req.top_logprobs[i].append(dict(zip(out.top_id[slot, i, :k].tolist(),
+                                            out.top_logprob[slot, i, :k].tolist())))
+    if req.detok:
+        before = len(req.text[i])
+        req.text[i] += req.detok[i].step(tok)
+        if req.params.stop and len(req.tokens[i]) >= req.params.min_tokens:
+            cut_at_stop(req, i, before)
+    reason = FINISH.get(int(out.seq_finish_reason[slot, i]))
+    if reason and i not in req.text_stopped:
+        req.reasons[i] = reason
+
+
+class OutputProcessor:
+    """The requests of one engine by engine index and by id, its host waiting queue, and
+    how many of its slots hold a request."""
+
+    def __init__(self, *, tokenizer, max_model_len: int, num_slots: int, rows: int,
+                 max_prompt_len: int, seed: int, stats: EngineStats):
+        self.tokenizer, self.max_model_len, self.num_slots = tokenizer, max_model_len, num_slots
+        self.rows, self.max_prompt_len, self.seed, self.stats = rows, max_prompt_len, seed, stats
+        self.requests: dict[int, RequestState] = {}
+        self.by_id: dict[str, int] = {}
+        self.queue: collections.deque[int] = collections.deque()
+        self.active = 0            # requests handed to the engine and not yet freed there
+        self.next_index = 0
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.by_id
+
+    def add_request(self, request_id: str, text: Optional[str], ids: list[int],
+                    params: SamplingParams) -> None:
+        """Queue a checked request (the front end validated it)."""
+        idx = self.next_index
+        self.next_index += 1
+        n = params.n
+        detok = ([self.tokenizer.detokenizer(ids, skip_special_tokens=True) for _ in range(n)]
+                 if self.tokenizer else [])
+        req = RequestState(idx, request_id, text, ids, params, [[] for _ in range(n)],
+                           [[] for _ in range(n)], [None] * n, detok, [""] * n)
+        self.requests[idx] = req
+        self.by_id[request_id] = idx
+        if len(ids) > self.max_model_len:
+            # As vLLM 0.5.3: an over-long prompt costs only itself. It finishes as ignored at
+            # once, with the numbers, and the engine never sees it.
+            self.stats.counts["ignored"] += 1
+            finish(req, ["ignored"] * n,
+                   f"prompt has {len(ids)} tokens, more than max_model_len={self.max_model_len}")
+            return
+        self.queue.append(idx)
+
+    def abort_request(self, request_id: str) -> Optional[int]:
+        """Abort a request still on the host; for one in the engine, return its index for the
+        caller to abort there (its outputs then finish it). None where nothing is left to do."""
+        idx = self.by_id.get(request_id)
+        if idx is None or self.requests[idx].finished:
+            return None
+        if idx in self.queue:
+            self.queue.remove(idx)
+            req = self.requests[idx]
+            finish(req, ["abort"] * req.params.n)
+            return None
+        return idx
+
+    def release(self, request_id: str) -> None:
+        idx = self.by_id.get(request_id)
+        if idx is not None and self.requests[idx].finished:
+            del self.by_id[request_id], self.requests[idx]
+
+    def output(self, request_id: str) -> RequestOutput:
+        return self.requests[self.by_id[request_id]].output()
+
+    def num_unfinished(self) -> int:
+        return sum(not r.finished for r in self.requests.values())
+
+    def has_unfinished(self) -> bool:
+        return any(not r.finished for r in self.requests.values())
+
+    def num_queued(self) -> int:
+        return len(self.queue)
+
+    def new_requests(self, now: float) -> NewRequests:
+        """Hand the queue's next requests, as many as there are free slots and rows, to the
+        engine, packed, arriving at `now`."""
+        take = []
+        while self.queue and len(take) < min(self.rows, self.num_slots - self.active):
+            take.append(self.requests[self.queue.popleft()])
+        self.active += len(take)
+        return pack_new_requests(take, self.rows, self.max_prompt_len, now, self.seed)
+
+    def process_outputs(self, out) -> tuple[list[RequestOutput], list[int]]:
+        """A step's host-side `StepOutput`: (the outputs of the requests that advanced or
+        finished, the indices of requests every sequence of which met a stop string: finished
+        here, to be aborted in the engine to free their blocks)."""
+        changed, to_abort = [], []
+        for slot in np.nonzero(out.has_token.any(1) | out.finished)[0]:
+            req = self.requests.get(int(out.request_index[slot]))
+            if req is None or req.finished:
+                # Finished on the host at a stop string (and maybe released): the engine
+                # reports its aborted slot once, freed now.
+                self.active -= bool(out.finished[slot])
+                continue
+            for i in np.nonzero(out.has_token[slot])[0]:
+                if i >= req.params.n or i in req.text_stopped:
+                    continue
+                self.stats.counts["output_tokens"] += 1
+                _append_token(req, out, slot, i)
+            if not out.finished[slot] and req.text_stopped and all(req.reasons):
+                finish(req, req.reasons)             # every sequence met a stop string
+                to_abort.append(req.index)
+            elif out.finished[slot]:
+                self.active -= 1
+                reasons = [FINISH.get(int(out.seq_finish_reason[slot, i]), FINISH.get(int(out.finish_reason[slot])))
+                           for i in range(req.params.n)]
+                message = None
+                if int(out.finish_reason[slot]) == FinishReason.IGNORED:
+                    message = IGNORE_REASONS.get(int(out.ignore_reason[slot]), "ignored")
+                    self.stats.counts["ignored"] += 1
+                finish(req, reasons, message)
+            changed.append(req.output())
+        return changed, to_abort
