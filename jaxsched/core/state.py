@@ -120,8 +120,22 @@ _LIMIT_KINDS = {name: "float32" if name == "delay_factor" or name in COST_FIELDS
                 for name in LIMIT_FIELDS}
 
 
+class _Declared:
+    """A field declared in a class body: it takes its attribute's name, and reads as the
+    instance's `get(name)` (the class itself gets the declaration, for the tables)."""
+    name: str
+
+    def __set_name__(self, owner, name):
+        object.__setattr__(self, "name", name)      # the subclasses are frozen dataclasses
+
+    def __get__(self, obj, owner=None) -> jax.Array:
+        if obj is None:
+            return self                 # type: ignore[return-value]
+        return obj.get(self.name)
+
+
 @dataclasses.dataclass(frozen=True)
-class Field:
+class Field(_Declared):
     """One named field of the state: its shape over the dims (G, S, M, D, H; "2" a pair; ""
     a scalar), how it is stored in the int32 leaves, and what it means. Declared once in
     SchedulerState's body; storage, encoders, the typed accessor and the docs follow."""
@@ -129,14 +143,6 @@ class Field:
     kind: str                 # "int32", "float32" (bit-cast), "bool" (0/1), "uint32" (bit-cast)
     doc: str
     name: str = ""
-
-    def __set_name__(self, owner, name):
-        object.__setattr__(self, "name", name)
-
-    def __get__(self, state, owner=None) -> jax.Array:
-        if state is None:
-            return self                 # type: ignore[return-value]
-        return state.get(self.name)
 
 
 # Which leaf holds each field, when the state is big enough to take three: the tables and
@@ -352,20 +358,12 @@ SchedulerState.__doc__ += "\n".join(
 
 
 @dataclasses.dataclass(frozen=True)
-class OutputField:
+class OutputField(_Declared):
     """One named field of SchedulerOutput: its region of the flat array and meaning."""
     region: str               # "slots": [G] per slot; "pairs": [P, 2] block pairs; "counts": []
     kind: str                 # "int32" or "bool"
     doc: str
     name: str = ""
-
-    def __set_name__(self, owner, name):
-        object.__setattr__(self, "name", name)
-
-    def __get__(self, out, owner=None) -> jax.Array:
-        if out is None:
-            return self               # type: ignore[return-value]
-        return out.get(self.name)
 
 
 @jax.tree_util.register_pytree_node_class
