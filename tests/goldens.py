@@ -10,10 +10,14 @@ import json
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
 GOLDEN_DIR = Path(__file__).resolve().parent / "data" / "golden"
 # Prefix caching (SPEC A10) is not implemented yet; its workloads are kept for that issue.
 PREFIX = "prefix-"
 PREFIX_REASON = "prefix caching (SPEC A10) is a later issue"
+FINAL_STATUSES = {"finished_length_capped", "finished_stopped", "finished_ignored",
+                  "finished_aborted"}
 
 
 def _names() -> list[str]:
@@ -30,15 +34,44 @@ def prefix_names() -> list[str]:
     return [n for n in _names() if n.startswith(PREFIX)]
 
 
+def golden_cases() -> list:
+    """Every golden workload as a pytest parameter, the prefix-caching ones marked skip."""
+    return [pytest.param(n, marks=pytest.mark.skip(reason=PREFIX_REASON)) if n.startswith(PREFIX) else n
+            for n in _names()]
+
+
 def load(name: str, kind: str = "trace") -> dict:
     """`kind` is "trace" or "vllm"."""
     return json.loads((GOLDEN_DIR / f"{name}.{kind}.json").read_text())
 
 
-def _multiset(step: dict) -> dict:
+def assert_replays_golden(name: str, got: dict, statuses=FINAL_STATUSES) -> None:
+    """`got`, a replay of workload `name`, made vLLM's decisions where vLLM has a record;
+    where it has none (vLLM raised, overdrew its budget or never finished: SPEC B1, B3, B5),
+    every request reached one of `statuses` and no step ran a chunk <= 0."""
+    if (GOLDEN_DIR / f"{name}.vllm.json").exists():
+        assert_matches_vllm(got, load(name, "vllm"))
+        return
+    assert set(got["requests"]) == {r["id"] for r in load(name)["requests"]}
+    for request_id, result in got["requests"].items():
+        assert result["status"] in statuses, request_id
+    assert all(s["num_tokens"] > 0 for step in got["steps"] for s in step["scheduled"])
+
+
+def multiset(step: dict) -> dict:
     """The step with every list made order-insensitive."""
     return {k: Counter(json.dumps(x, sort_keys=True) for x in v) if isinstance(v, list) else v
             for k, v in step.items()}
+
+
+def assert_same_steps(got: dict, want: dict) -> None:
+    """Two replays made the same decisions at every step (lists in any order) and ended every
+    request alike."""
+    assert len(got["steps"]) == len(want["steps"])
+    for mine, theirs in zip(got["steps"], want["steps"]):
+        assert multiset(mine) == multiset(theirs), f"step {theirs['step']}"
+    assert got["requests"] == want["requests"]
+    assert got["num_preemptions"] == want["num_preemptions"]
 
 
 def assert_matches_vllm(got: dict, want: dict) -> None:
@@ -71,7 +104,6 @@ def assert_matches_vllm(got: dict, want: dict) -> None:
                 took = want["steps"][at - 1]["num_free_host_blocks"] - out["num_free_host_blocks"]
                 assert grown == took, f"step {step}: num_free_host_blocks"
         leaked += grown
-        strip = lambda s: {k: v for k, v in s.items() if k != "num_free_host_blocks"}
-        assert _multiset(strip(mine)) == _multiset(strip(theirs)), f"step {step}"
-    assert got["requests"] == want["requests"]
-    assert got["num_preemptions"] == want["num_preemptions"]
+    strip = lambda r: dict(r, steps=[{k: v for k, v in s.items() if k != "num_free_host_blocks"}
+                                     for s in r["steps"]])
+    assert_same_steps(strip(got), strip(want))
