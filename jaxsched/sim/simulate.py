@@ -22,6 +22,7 @@ from jaxsched.core.invariants import CHECKS, InvariantError, describe, invariant
 from jaxsched.core.requests import RequestBatch, add_requests, free_finished, update
 from jaxsched.core.scheduler import schedule_step
 from jaxsched.core.state import FINISH_NAMES, FINISHED, IGNORE_REASONS, IGNORED, init_state
+from jaxsched.sim.capacity import replay_capacity
 from jaxsched.sim.trace import Trace, parse_trace
 
 # Rows of a step's packed record, int32[NUM_ROWS, num_slots].
@@ -78,14 +79,10 @@ def run_chunk(state, batches: RequestBatch, times, cap: Capacity, check: bool = 
 
 
 def _capacity_for(trace: Trace, overrides: dict | None) -> SchedulerConfig:
+    """The trace's config with the replay's static sizes (`capacity.replay_capacity`), any
+    given in `overrides` taking their place."""
     cfg = trace.scheduler_config
-    reqs = trace.requests
-    pow2 = lambda x: 1 << max(0, math.ceil(math.log2(max(1, x))))
-    longest = max([r["prompt_len"] + r["max_tokens"] for r in reqs] + [cfg.max_model_len])
-    fields = dict(num_slots=max(16, pow2(len(reqs))),
-                  max_seqs_per_group=pow2(max([r["n"] for r in reqs] + [1])),
-                  max_blocks_per_seq=pow2(math.ceil((longest + 1) / cfg.block_size)))
-    fields.update(overrides or {})
+    fields = replay_capacity(trace, [cfg], restarts=False) | (overrides or {})
     return dataclasses.replace(cfg, **fields)
 
 

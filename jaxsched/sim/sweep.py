@@ -46,6 +46,7 @@ from jax import lax
 from jaxsched.core.config import PREEMPT_RECOMPUTE, PREEMPT_SWAP, SchedulerConfig
 from jaxsched.core.costs import PreemptionCosts
 from jaxsched.core.requests import RequestBatch
+from jaxsched.sim.capacity import longest_sequence, needed_capacity, pow2, replay_capacity
 from jaxsched.sim.simulate import CHUNK_STEPS, replay_step
 from jaxsched.core.state import EMPTY, FINISHED, IGNORED, init_state, set_limits
 from jaxsched.sim.trace import Trace, TraceError, parse_trace
@@ -178,38 +179,29 @@ def make_grid(base: SchedulerConfig, axes: dict) -> tuple[list[dict], list[Sched
     return points, configs
 
 
-def _pow2(x: int) -> int:
-    return 1 << max(0, math.ceil(math.log2(max(1, x))))
-
-
 def sweep_capacity(trace: Trace, configs: list[SchedulerConfig], capacity: dict | None = None) -> dict:
     """Static sizes for a grid (SchedulerConfig capacity fields); explicit ones must hold it.
 
     Pass the same dict to `simulate(..., capacity=...)` to share its compiled step.
     """
-    reqs = trace.requests
-    longest = max(r["prompt_len"] + r["max_tokens"] for r in reqs)
-    tokens = max([max(r["prompt_len"] for r in reqs)] + [min(longest, c.max_model_len) + 1 for c in configs])
-    max_n = max(r["n"] for r in reqs)
-    blocks = math.ceil(tokens / trace.scheduler_config.block_size)
-    device, host = max(c.num_device_blocks for c in configs), max(c.num_host_blocks for c in configs)
-    need = {  # field: (smallest value that holds the grid, why not, given the value)
-        "num_device_blocks_capacity": (device, f"num_device_blocks={device} is above the static capacity"),
-        "num_host_blocks_capacity": (host, f"num_host_blocks={host} is above the static capacity"),
-        "max_seqs_per_group": (max_n, f"a request has n={max_n}, above the static capacity"),
-        "max_blocks_per_seq": (blocks, f"sequences of up to {tokens} tokens need {blocks} blocks, "
-                                       f"above the static capacity"),
-        "num_slots": (1, "capacity needs a positive"),
+    least = needed_capacity(trace, configs)
+    why = {  # field: why not, given a value below the least
+        "num_device_blocks_capacity": f"num_device_blocks={least['num_device_blocks_capacity']} is above "
+                                      f"the static capacity",
+        "num_host_blocks_capacity": f"num_host_blocks={least['num_host_blocks_capacity']} is above the "
+                                    f"static capacity",
+        "max_seqs_per_group": f"a request has n={least['max_seqs_per_group']}, above the static capacity",
+        "max_blocks_per_seq": f"sequences of up to {longest_sequence(trace, configs)} tokens need "
+                              f"{least['max_blocks_per_seq']} blocks, above the static capacity",
+        "num_slots": "capacity needs a positive",
     }
-    cap = {k: v for k, (v, _) in need.items()}
-    cap["max_seqs_per_group"] = _pow2(max_n)
-    # A guess (more alive requests than slots restarts the sweep with twice as many).
-    cap["num_slots"] = min(_pow2(len(reqs)), max(64, 2 * _pow2(max(c.max_num_seqs for c in configs))))
+    # num_slots is a guess: more alive requests than slots restarts the sweep with twice as many.
+    cap = replay_capacity(trace, configs, restarts=True)
     for key, value in (capacity or {}).items():
-        if key not in need:
-            raise SweepError(f"sweep: unknown capacity field {key!r} (expected one of {', '.join(need)})")
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < need[key][0]:
-            raise SweepError(f"sweep: {need[key][1]} {key}={value!r}")
+        if key not in least:
+            raise SweepError(f"sweep: unknown capacity field {key!r} (expected one of {', '.join(least)})")
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least[key]:
+            raise SweepError(f"sweep: {why[key]} {key}={value!r}")
         cap[key] = int(value)
     return cap
 
@@ -334,7 +326,7 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
     cols = np.stack([cols[0], np.arange(len(reqs)), *cols[1:]])[:, order].astype(np.int32)
     arrival_time = np.array([s * trace.step_time for s in steps[order]]).astype(np.float32)
     cols, arrival_time = jax.device_put(cols), jax.device_put(arrival_time)
-    width = _pow2(max(8, np.bincount(steps).max()))
+    width = pow2(max(8, np.bincount(steps).max()))
     carries = [(jax.tree.map(lambda x: x[i * size:(i + 1) * size], state),
                 jnp.asarray(per_request[i * size:(i + 1) * size])) for i in range(shards)]
     done, last, chunks, start = np.zeros(runs, np.int64), np.zeros(runs, np.int64), [], 0
