@@ -22,6 +22,7 @@ from jaxsched import add_requests, free_finished, init_state, make_batch, parse_
 from jaxsched.core.scheduler import schedule_impl
 from jaxsched.core.state import FINISHED
 from conftest import TEST_CAPACITY
+from goldens import assert_same_steps
 from jaxsched.sim.reference import simulate_reference
 
 
@@ -127,21 +128,12 @@ def forked_behind_prefills(draw):
     return {"config": config, "requests": requests}
 
 
-def _multiset(step):
-    return {k: Counter(json.dumps(x, sort_keys=True) for x in v) if isinstance(v, list) else v
-            for k, v in step.items()}
-
-
 def assert_same_decisions(trace):
     """Same decisions as the reference at every step; invariants (the budget, no chunk <= 0)
     hold after every step of the jitted replay."""
     expected = simulate_reference(json.loads(json.dumps(trace)))
     got = simulate(trace["config"], trace["requests"], capacity=TEST_CAPACITY, check_invariants=True)
-    assert len(got["steps"]) == len(expected["steps"])
-    for mine, theirs in zip(got["steps"], expected["steps"]):
-        assert _multiset(mine) == _multiset(theirs), f"step {theirs['step']}"
-    assert got["requests"] == expected["requests"]
-    assert got["num_preemptions"] == expected["num_preemptions"]
+    assert_same_steps(got, expected)
     return got
 
 
