@@ -28,7 +28,7 @@ import pytest
 
 from jaxsched.entrypoints.llm import LLM
 from jaxsched.engine.params import SamplingParams
-from models.gguf import find_smollm2_gguf
+from models.gguf import find_smollm2_gguf, read_gguf
 from models.llama import dense_forward
 from models.loader import load_model
 from test_loaders import require
@@ -204,6 +204,17 @@ def test_smollm2__tokenizers_agree_on_chat_prompts(smol):
         assert tok.encode(text, add_special_tokens=False) == smol.hf_tok.encode(text, add_special_tokens=False)
         for m in messages:
             assert tok.encode(m["content"]) == smol.hf_tok.encode(m["content"]), m["content"]
+
+
+def test_smollm2__tensors_equal_transformers(smol):
+    """Our dequantized + un-permuted GGUF tensors equal transformers' state dict of the same file."""
+    ref = {k: v.detach().float().numpy() for k, v in smol.hf.state_dict().items()}
+    _, tensors, _ = read_gguf(find_smollm2_gguf())
+    assert set(ref) - set(tensors) == {"lm_head.weight"}  # tied in transformers, absent here
+    assert set(tensors) <= set(ref)
+    for name, value in tensors.items():
+        np.testing.assert_allclose(value, ref[name], rtol=0, atol=1e-6, err_msg=name)
+    np.testing.assert_array_equal(ref["lm_head.weight"], tensors["model.embed_tokens.weight"])
 
 
 def test_smollm2__paged_greedy_equals_transformers(smol):
