@@ -14,10 +14,14 @@ from jaxsched.core.config import SchedulerConfig
 TRACE_CONFIG_KEYS = ("block_size", "num_device_blocks", "num_host_blocks", "max_num_seqs",
                      "max_num_batched_tokens", "max_model_len", "enable_chunked_prefill",
                      "preemption_mode", "delay_factor", "watermark")
-# A trace's config: SchedulerConfig's fields, plus how the replay runs.
+# A trace's config: SchedulerConfig's fields, plus how the replay runs, plus SPEC A10's
+# switch (read by the reference scheduler; the jitted scheduler has no prefix caching yet).
 REPLAY_KEYS = ("step_time", "max_steps")
-CONFIG_KEYS = {f.name for f in dataclasses.fields(SchedulerConfig)} | set(REPLAY_KEYS)
-REQUEST_KEYS = {"id", "arrival_step", "prompt_len", "max_tokens", "n"}
+CONFIG_KEYS = ({f.name for f in dataclasses.fields(SchedulerConfig)} | set(REPLAY_KEYS)
+               | {"enable_prefix_caching"})
+# `prompt_token_ids` is optional: without it a prompt is the ids 0 .. prompt_len - 1 (A10).
+REQUEST_KEYS = {"id", "arrival_step", "prompt_len", "max_tokens", "n", "prompt_token_ids"}
+MAX_TOKEN_ID = 2**31 - 1
 REQUEST_DEFAULTS = {"arrival_step": 0, "n": 1}
 # Bounds that keep a replay's arrays to a size this machine can hold: a trace past them is
 # a typo far more often than a workload.
@@ -40,6 +44,7 @@ class Trace:
     requests: list[dict]
     step_time: float
     max_steps: int
+    enable_prefix_caching: bool = False  # SPEC A10
 
     def arrivals_by_step(self) -> dict[int, list[int]]:
         out = defaultdict(list)
@@ -58,11 +63,16 @@ def _int_field(where: str, key: str, value, minimum: int, maximum: int | None = 
     return value
 
 
-def _parse_config(config: dict, step_time: float, max_steps: int) -> tuple[SchedulerConfig, float, int]:
+def _parse_config(config: dict, step_time: float,
+                  max_steps: int) -> tuple[SchedulerConfig, float, int, bool]:
     unknown = set(config) - CONFIG_KEYS
     if unknown:
         raise TraceError(f"config: unknown key {sorted(unknown, key=str)[0]!r}")
     config = dict(config)
+    caching = config.pop("enable_prefix_caching", False)
+    if not isinstance(caching, bool):
+        raise TraceError(f"config: field 'enable_prefix_caching' must be true or false, "
+                         f"got {caching!r}")
     step_time = config.pop("step_time", step_time)
     if isinstance(step_time, bool) or not isinstance(step_time, (int, float)) \
             or not math.isfinite(step_time) or step_time <= 0:
@@ -86,7 +96,21 @@ def _parse_config(config: dict, step_time: float, max_steps: int) -> tuple[Sched
         cfg = SchedulerConfig(**config)
     except (TypeError, ValueError, KeyError, AttributeError, OverflowError) as e:
         raise TraceError(f"config: {e}") from None
-    return cfg, float(step_time), max_steps
+    return cfg, float(step_time), max_steps, caching
+
+
+def _prompt_token_ids(where: str, ids, prompt_len: int) -> list[int]:
+    if not isinstance(ids, list):
+        raise TraceError(f"{where}: field 'prompt_token_ids' must be a list of integers, "
+                         f"got {type(ids).__name__}")
+    if len(ids) != prompt_len:
+        raise TraceError(f"{where}: field 'prompt_token_ids' has {len(ids)} ids, "
+                         f"prompt_len is {prompt_len}")
+    for token in ids:
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token <= MAX_TOKEN_ID:
+            raise TraceError(f"{where}: field 'prompt_token_ids' must hold integers in "
+                             f"[0, {MAX_TOKEN_ID}], got {token!r}")
+    return ids
 
 
 def parse_trace(data: dict, *, step_time: float = 1.0, max_steps: int = 100_000) -> Trace:
@@ -97,6 +121,7 @@ def parse_trace(data: dict, *, step_time: float = 1.0, max_steps: int = 100_000)
     if unknown:
         raise TraceError(f"trace: unknown key {sorted(unknown)[0]!r} (expected 'config', 'requests')")
     config = data.get("config", {})
+    caching = False
     if isinstance(config, SchedulerConfig):
         cfg = config
         if isinstance(step_time, bool) or not isinstance(step_time, (int, float)) or not step_time > 0:
@@ -104,7 +129,7 @@ def parse_trace(data: dict, *, step_time: float = 1.0, max_steps: int = 100_000)
     else:
         if not isinstance(config, dict):
             raise TraceError("trace: 'config' must be an object")
-        cfg, step_time, max_steps = _parse_config(config, step_time, max_steps)
+        cfg, step_time, max_steps, caching = _parse_config(config, step_time, max_steps)
     requests = data.get("requests")
     if not isinstance(requests, list):
         raise TraceError("trace: 'requests' must be a list")
@@ -132,8 +157,10 @@ def parse_trace(data: dict, *, step_time: float = 1.0, max_steps: int = 100_000)
         row = {**REQUEST_DEFAULTS, **r}
         for key, minimum in (("arrival_step", 0), ("prompt_len", 1), ("max_tokens", 1), ("n", 1)):
             _int_field(where, key, row[key], minimum, INT_LIMITS[key])
+        if "prompt_token_ids" in row:
+            _prompt_token_ids(where, row["prompt_token_ids"], row["prompt_len"])
         out.append(row)
-    return Trace(cfg, out, step_time, max_steps)
+    return Trace(cfg, out, step_time, max_steps, caching)
 
 
 def load_trace(path: str | Path) -> dict:
