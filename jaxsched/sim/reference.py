@@ -14,6 +14,9 @@ objects and block tables are Python lists; nothing here is fast or jittable.
 
 `simulate_reference(trace)` replays a `jaxsched simulate` trace and returns its output dict.
 
+With `enable_prefix_caching` (SPEC A10) both pools are `CachedBlockPool`s, vLLM 0.5.3's
+CachedBlockAllocator with its evictor; docs/prefix-caching-notes.md states the semantics.
+
 A group's prefill is one counter (SPEC B, decision 1): while `prefill_done < prefill_total`
 the group is a (partial) prefill; the step that completes it samples one token per sequence
 (forking a fresh group into `n` first); after that every live sequence decodes one token a
@@ -23,8 +26,9 @@ step. A fresh group's prefill_total is its prompt, a recomputed one's its prompt
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
-from collections import deque
+from collections import OrderedDict, deque
 
 import numpy as np
 
@@ -38,6 +42,8 @@ RECOMPUTE, SWAP, AUTO = "recompute", "swap", "auto"  # preemption modes
 OK, LATER, NEVER = "ok", "later", "never"  # vLLM's AllocStatus
 ARTIFICIAL_PREEMPTION_PROB = 0.5
 ARTIFICIAL_PREEMPTION_MAX_CNT = 500
+SAMPLED_TOKEN = 1  # the token every sequence samples in trace replay (SPEC A10)
+NEVER_ACCESSED = -1.0  # vLLM's DEFAULT_LAST_ACCESSED_TIME
 
 ADMITTED, RUNNING, SWAPPED = "admitted", "running", "swapped"  # where a scheduled group came from
 # SPEC B8: `running` after a step is [groups the running walk did not reach, in sorted order] +
@@ -45,6 +51,11 @@ ADMITTED, RUNNING, SWAPPED = "admitted", "running", "swapped"  # where a schedul
 # running prefills, swapped-in decodes, swapped-in prefills.
 RUNNING_ORDER = {(ADMITTED, True): 0, (RUNNING, False): 1, (RUNNING, True): 2,
                  (SWAPPED, False): 3, (SWAPPED, True): 4}
+# The order in which vLLM lists the scheduled groups and processes their outputs (frees the
+# finished ones): new prefills, running prefills, swapped-in prefills, running decodes,
+# swapped-in decodes. With prefix caching the order of frees is the evictor's order.
+OUTPUT_ORDER = {(ADMITTED, True): 0, (RUNNING, True): 1, (SWAPPED, True): 2,
+                (RUNNING, False): 3, (SWAPPED, False): 4}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -66,6 +77,7 @@ class SchedulerConfig:
     max_steps: int = 5000
     artificial_preemption: bool = False
     seed: int = 0
+    enable_prefix_caching: bool = False  # SPEC A10
 
     def __post_init__(self):
         if self.preemption_mode not in (None, RECOMPUTE, SWAP, AUTO):
@@ -105,12 +117,105 @@ class BlockPool:
             self.free_ids.append(block)
 
 
-class Sequence:
-    """One sample. `block_table` holds device ids while running, host ids while swapped."""
+class CachedBlockPool:
+    """SPEC A10: vLLM's CachedBlockAllocator with its LRU evictor, for one pool.
 
-    def __init__(self, prompt_len: int, output_len: int = 0):
+    Every block handed out has a key. `cached` maps the key of each block in use (ref count
+    > 0) to it; a block whose count drops to 0 keeps its key and enters `evictor` (an ordered
+    map, in the order blocks entered it) instead of being freed. Blocks are handed out in id
+    order while never-used ones remain (ids below `num_used` have been used), then taken from
+    the evictor. `num_free` counts never-used blocks plus the evictor's, as vLLM does.
+
+    A key is a content key (`BlockManager.key`: a tuple) or, for a block allocated without
+    one (a decode's new partial block), a fresh integer from `unkeyed`: ints never equal
+    tuples, so such a block is never shared by content.
+    """
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self.num_used = 0
+        self.ref_count = [0] * num_blocks
+        self.key: list = [None] * num_blocks
+        self.num_hashed_tokens = [0] * num_blocks
+        self.last_accessed = [NEVER_ACCESSED] * num_blocks
+        self.cached: dict = {}
+        self.evictor: OrderedDict = OrderedDict()
+        self.unkeyed = itertools.count()
+
+    @property
+    def num_free(self) -> int:
+        return self.num_blocks - self.num_used + len(self.evictor)
+
+    def contains(self, key) -> bool:
+        return key in self.cached or key in self.evictor
+
+    def allocate(self, key=None, num_hashed_tokens: int = 0) -> int:
+        """The block with this key (in use: shared; in the evictor: taken back), else a
+        never-used block, else the evictor's victim; it gets the key."""
+        if key is None:
+            key = next(self.unkeyed)
+        if key in self.evictor:
+            block = self.evictor.pop(key)
+        elif key in self.cached:
+            block = self.cached[key]
+        else:
+            block = self._fresh_block()
+            self.key[block], self.num_hashed_tokens[block] = key, num_hashed_tokens
+        self.cached[key] = block
+        self.ref_count[block] += 1
+        return block
+
+    def _fresh_block(self) -> int:
+        if self.num_used < self.num_blocks:
+            self.num_used += 1
+            return self.num_used - 1
+        return self.evict()
+
+    def evict(self) -> int:
+        """vLLM's LRUEvictor.evict: start at the oldest entry and walk on while the next
+        block was not accessed later than the current choice, switching to a block that
+        covers more tokens; stop at the first block accessed later."""
+        if not self.evictor:
+            raise RuntimeError("no free block to evict")  # callers check the free count
+        entries = iter(self.evictor.values())
+        victim = next(entries)
+        for block in entries:
+            if self.last_accessed[victim] < self.last_accessed[block]:
+                break
+            if self.num_hashed_tokens[victim] < self.num_hashed_tokens[block]:
+                victim = block
+        del self.evictor[self.key[victim]]
+        return victim
+
+    def free(self, block: int) -> None:
+        assert self.ref_count[block] > 0, f"double free of block {block}"
+        self.ref_count[block] -= 1
+        if self.ref_count[block] == 0:
+            key = self.key[block]
+            del self.cached[key]
+            self.evictor[key] = block
+
+    def update_key(self, key, block: int) -> None:
+        """A block in use gets a new key (a decode filled it: SPEC A10's promotion)."""
+        assert not self.contains(key)
+        del self.cached[self.key[block]]
+        self.key[block] = key
+        self.cached[key] = block
+
+    def access(self, block: int, now: float) -> None:
+        self.last_accessed[block] = now
+
+
+class Sequence:
+    """One sample. `block_table` holds device ids while running, host ids while swapped.
+
+    `prompt_ids` (a tuple) is only read by prefix caching's keys; every output token is
+    SAMPLED_TOKEN."""
+
+    def __init__(self, prompt_len: int, output_len: int = 0, prompt_ids: tuple | None = None):
         self.prompt_len = prompt_len
         self.output_len = output_len
+        self.prompt_ids = tuple(range(prompt_len)) if prompt_ids is None else prompt_ids
         self.block_table: list[int] = []
         self.finished = False
 
@@ -123,10 +228,12 @@ class SequenceGroup:
     """A request: one prompt and `n` samples; one sequence until its prompt step forks it."""
 
     def __init__(self, request_id: str, prompt_len: int, max_tokens: int, n: int,
-                 arrival_time: float):
+                 arrival_time: float, prompt_token_ids=None):
         self.request_id, self.arrival_time = request_id, arrival_time
         self.prompt_len, self.max_tokens, self.n = prompt_len, max_tokens, n
-        self.seqs = [Sequence(prompt_len)]
+        prompt_ids = None if prompt_token_ids is None else tuple(prompt_token_ids)
+        assert prompt_ids is None or len(prompt_ids) == prompt_len
+        self.seqs = [Sequence(prompt_len, 0, prompt_ids)]
         self.prefill_done, self.prefill_total = 0, prompt_len
         self.status: str | None = None  # a FINISHED_* status once finished
         self.finish_step: int | None = None
@@ -176,14 +283,33 @@ def multi_recompute_layout(group: SequenceGroup, block_size: int) -> tuple[int, 
 
 
 class BlockManager:
-    """vLLM's "v1" block manager (BlockSpaceManagerV1), plus SPEC B1's multi allocation."""
+    """vLLM's "v1" block manager (BlockSpaceManagerV1), plus SPEC B1's multi allocation.
+
+    With `enable_prefix_caching` both pools are CachedBlockPools (SPEC A10): a prompt's
+    blocks are taken by key, a decode that fills a block promotes it, swaps carry keys.
+    """
 
     def __init__(self, config: SchedulerConfig):
         self.block_size = config.block_size
         self.num_device_blocks = config.num_device_blocks
         self.watermark_blocks = int(config.watermark * config.num_device_blocks)
-        self.device = BlockPool(config.num_device_blocks)
-        self.host = BlockPool(config.num_host_blocks)
+        self.caching = config.enable_prefix_caching
+        pool = CachedBlockPool if self.caching else BlockPool
+        self.device = pool(config.num_device_blocks)
+        self.host = pool(config.num_host_blocks)
+
+    def key(self, seq: Sequence, index: int) -> tuple:
+        """The content key of block `index` of `seq` (vLLM's hash_of_block, unhashed): the
+        sequence's tokens up to that block's end (fewer for its last, partial block) as
+        (prompt tokens, None) within the prompt, (whole prompt, output tokens) past it."""
+        end = (index + 1) * self.block_size
+        if end <= seq.prompt_len:
+            return seq.prompt_ids[:end], None
+        return seq.prompt_ids, (SAMPLED_TOKEN,) * min(end - seq.prompt_len, seq.output_len)
+
+    def _allocate_keyed(self, seq: Sequence) -> list[int]:
+        return [self.device.allocate(self.key(seq, i), (i + 1) * self.block_size)
+                for i in range(math.ceil(seq.num_tokens / self.block_size))]
 
     def _alloc_status(self, need: int) -> str:
         """NEVER if `need` blocks do not fit an empty cache above the watermark.
@@ -204,6 +330,9 @@ class BlockManager:
 
     def allocate(self, group: SequenceGroup) -> None:
         seq = group.seqs[0]
+        if self.caching:
+            seq.block_table = self._allocate_keyed(seq)
+            return
         seq.block_table = [self.device.allocate()
                            for _ in range(math.ceil(seq.num_tokens / self.block_size))]
 
@@ -213,7 +342,14 @@ class BlockManager:
         return self._alloc_status(footprint + group.num_live_seqs)
 
     def allocate_multi(self, group: SequenceGroup) -> None:
+        """NOTE: with prefix caching every sequence takes its blocks by key, so the prompt's
+        full blocks are shared as without caching and sequences with equal contents share
+        the rest too (never more blocks than the footprint can_allocate_multi counted)."""
         live = group.live_seqs()
+        if self.caching:
+            for seq in live:
+                seq.block_table = self._allocate_keyed(seq)
+            return
         num_shared, _, _ = multi_recompute_layout(group, self.block_size)
         shared = [self.device.allocate(ref_count=len(live)) for _ in range(num_shared)]
         for seq in live:
@@ -224,17 +360,42 @@ class BlockManager:
         return self.device.num_free >= group.num_live_seqs
 
     def append_slots(self, seq: Sequence) -> tuple[int, int] | None:
-        """Room for the sequence's last token: a new block, or a copy-on-write (src, dst)."""
+        """Room for the sequence's last token: a new block, or a copy-on-write (src, dst).
+
+        With caching (A10), a last block that this token fills is promoted: it takes the
+        block already holding its full key if there is one (its own is released), else it
+        gets that key; a new block (also a copy-on-write's) gets the full key when the
+        sequence's last block is full, else a fresh unshared key."""
         table = seq.block_table
         if len(table) < math.ceil(seq.num_tokens / self.block_size):
-            table.append(self.device.allocate())
+            table.append(self._allocate_last(seq))
             return None
         last = table[-1]
         if self.device.ref_count[last] == 1:
+            if self.caching and self._last_block_full(seq):
+                table[-1] = self._promote(seq, last)
             return None
-        table[-1] = self.device.allocate()
+        table[-1] = self._allocate_last(seq)
         self.device.free(last)
         return last, table[-1]
+
+    def _last_block_full(self, seq: Sequence) -> bool:
+        return seq.num_tokens % self.block_size == 0
+
+    def _allocate_last(self, seq: Sequence) -> int:
+        if not self.caching:
+            return self.device.allocate()
+        last = math.ceil(seq.num_tokens / self.block_size) - 1
+        key = self.key(seq, last) if self._last_block_full(seq) else None
+        return self.device.allocate(key, (last + 1) * self.block_size)
+
+    def _promote(self, seq: Sequence, block: int) -> int:
+        key = self.key(seq, len(seq.block_table) - 1)
+        if self.device.contains(key):
+            self.device.free(block)
+            return self.device.allocate(key)
+        self.device.update_key(key, block)
+        return block
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         child.block_table = list(parent.block_table)
@@ -258,13 +419,24 @@ class BlockManager:
             for i, block in enumerate(seq.block_table):
                 if block in mapping:
                     dst.ref_count[mapping[block]] += 1
+                elif self.caching:  # the block keeps its key: dst shares or takes it back
+                    mapping[block] = dst.allocate(src.key[block], src.num_hashed_tokens[block])
                 else:
                     mapping[block] = dst.allocate()
                 src.free(block)
                 seq.block_table[i] = mapping[block]
         return list(mapping.items())
 
+    def access(self, group: SequenceGroup, now: float) -> None:
+        """A10: every block of a scheduled group's sequences is accessed at `now`."""
+        if self.caching:
+            for seq in group.live_seqs():
+                for block in seq.block_table:
+                    self.device.access(block, now)
+
     def free(self, group: SequenceGroup, pool: BlockPool) -> None:
+        """NOTE: vLLM frees each sequence's blocks as a Python set (an order of object ids);
+        here they are freed in block-table order. With caching that is the evictor's order."""
         for seq in group.seqs:
             for block in seq.block_table:
                 pool.free(block)
@@ -335,13 +507,15 @@ class ReferenceScheduler:
         self._draw = None
 
     def add_request(self, request_id: str, prompt_len: int, max_tokens: int, n: int = 1,
-                    arrival_time: float = 0.0) -> SequenceGroup:
-        """Queue a request at the tail of `waiting`.
+                    arrival_time: float = 0.0, prompt_token_ids=None) -> SequenceGroup:
+        """Queue a request at the tail of `waiting`. Without `prompt_token_ids` the prompt is
+        0 .. prompt_len - 1 (only prefix caching reads it).
 
         SPEC B6: a request with n > max_num_seqs comes back FINISHED_IGNORED and is never
         queued (the caller sets its finish_step).
         """
-        group = SequenceGroup(request_id, prompt_len, max_tokens, n, arrival_time)
+        group = SequenceGroup(request_id, prompt_len, max_tokens, n, arrival_time,
+                              prompt_token_ids)
         if n > self.config.max_num_seqs:
             group.status = FINISHED_IGNORED
         else:
@@ -400,6 +574,8 @@ class ReferenceScheduler:
         self.running = deque(not_reached + [s.group for s in served])
         self.swapped.extend(out.swapped_out)
         self.num_schedule_calls += 1
+        for scheduled in out.scheduled:
+            self.block_manager.access(scheduled.group, now)
         return out
 
     def _schedule_running(self, out: SchedulerOutputs, budget: Budget) -> list[SequenceGroup]:
@@ -612,7 +788,11 @@ class ReferenceScheduler:
         prompt incomplete samples nothing. Finished groups are freed and returned.
         """
         finished = []
-        for scheduled in out.scheduled:
+        scheduled_groups = out.scheduled
+        if self.config.enable_prefix_caching:  # frees fill the evictor in vLLM's order
+            scheduled_groups = sorted(scheduled_groups,
+                                      key=lambda s: OUTPUT_ORDER[s.source, s.is_prefill])
+        for scheduled in scheduled_groups:
             group = scheduled.group
             if scheduled.is_prefill:
                 group.prefill_done += scheduled.num_tokens
@@ -620,7 +800,7 @@ class ReferenceScheduler:
                     continue
                 parent = group.seqs[0]
                 while len(group.seqs) < group.n:  # the prompt step forks
-                    child = Sequence(parent.prompt_len, parent.output_len)
+                    child = Sequence(parent.prompt_len, parent.output_len, parent.prompt_ids)
                     self.block_manager.fork(parent, child)
                     group.seqs.append(child)
             for seq in group.live_seqs():
@@ -661,7 +841,8 @@ def simulate_reference(trace: dict, on_step=None) -> dict:
         ignored = []
         for request in arrivals.get(step, []):
             group = scheduler.add_request(request["id"], request["prompt_len"],
-                                          request["max_tokens"], request.get("n", 1), now)
+                                          request["max_tokens"], request.get("n", 1), now,
+                                          request.get("prompt_token_ids"))
             groups[group.request_id] = group
             if group.status == FINISHED_IGNORED:  # SPEC B6: before the scheduler runs
                 ignored.append(group)
