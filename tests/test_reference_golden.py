@@ -61,7 +61,7 @@ def test_golden_traces_exist():
     assert len(prefix_names()) == 9
 
 
-@pytest.mark.parametrize("name", golden_cases())
+@pytest.mark.parametrize("name", golden_cases(prefix_caching=True))
 def test_reference__replays_golden(name):
     """vLLM's decisions where it has a record; where vLLM fails, every request served to a
     final status within the budget (check_invariants after every step)."""

@@ -68,14 +68,13 @@ def check_invariants(scheduler: ReferenceScheduler, out) -> None:
 # ----------------------------------------------------------------------------- golden
 
 
-def test_prefix_goldens_exist():
-    assert len(prefix_names()) == 9
+# test_reference_golden.py replays every prefix-* golden against vLLM's decisions; here each
+# is replayed again with the cached pools' invariants checked after every step.
 
 
 @pytest.mark.parametrize("name", prefix_names())
-def test_reference__matches_vllm_prefix_caching_golden(name):
-    got = simulate_reference(load(name, "trace"), on_step=check_invariants)
-    assert_matches_vllm(got, load(name, "vllm"))
+def test_reference__prefix_golden_keeps_the_cached_pools_consistent(name):
+    simulate_reference(load(name, "trace"), on_step=check_invariants)
 
 
 @pytest.mark.parametrize("name", prefix_names()[:3])
