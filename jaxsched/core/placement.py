@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxsched.core import batching
 from jaxsched.core.block_pool import (add_refs, exclusive_cumsum, free_list, mask_rank, take_ranked,
                                  write_pairs)
 from jaxsched.core.config import Capacity
@@ -108,8 +109,8 @@ def _fresh_tables(blk: Blocks, pairs, host_table, seq_alive, num_tokens, d, shar
     def admissions_only(pairs):
         return take_ranked(blocks, first_rank + adm_rank, adm_fresh), blk.host_ref, pairs, jnp.int32(0)
 
-    fresh_id, host_ref, pairs, count = lax.cond((swapped_in | swap_ignored).any(), with_swaps,
-                                                admissions_only, pairs)
+    fresh_id, host_ref, pairs, count = batching.cond((swapped_in | swap_ignored).any(), with_swaps,
+                                                     admissions_only, pairs, same=True)
     mapped = jnp.where(new_valid, jnp.take_along_axis(fresh_id, holder, axis=1), 0)
     table = jnp.where((admitted | swapped_in)[:, None, None], mapped, blk.block_table)
     num_blocks = jnp.where(admitted[:, None], adm_blocks, blk.num_blocks)
@@ -145,9 +146,9 @@ def _apply_appends(blk: Blocks, pairs, app_new, app_cow, app_id):
     if s == 1:       # one sequence per group never shares a block
         num_copy = jnp.int32(0)
     else:
-        pairs, num_copy = lax.cond(app_cow.any(),
-                                   lambda pairs: write_pairs(pairs, COPY, cow_src, app_id, app_cow),
-                                   lambda pairs: (pairs, jnp.int32(0)), pairs)
+        pairs, num_copy = batching.cond(app_cow.any(),
+                                        lambda pairs: write_pairs(pairs, COPY, cow_src, app_id, app_cow),
+                                        lambda pairs: (pairs, jnp.int32(0)), pairs, same=True)
     return Blocks(table, num_blocks, device_ref, blk.host_ref), pairs, num_copy
 
 
@@ -175,7 +176,8 @@ def place(blk: Blocks, pairs, host_table, seq_alive, num_tokens, d: dict, share,
                              app.sum(dtype=jnp.int32), admitted, swapped_in, swap_ignored,
                              block_size)
 
-    blk, pairs, num_swap_in = lax.cond((admitted | swapped_in | swap_ignored).any(), fresh_branch,
-                                       lambda b, pairs: (b, pairs, jnp.int32(0)), blk, pairs)
+    blk, pairs, num_swap_in = batching.cond((admitted | swapped_in | swap_ignored).any(), fresh_branch,
+                                            lambda b, pairs: (b, pairs, jnp.int32(0)), blk, pairs,
+                                            same=True)
     blk, pairs, num_copy = _apply_appends(blk, pairs, app_new, app_cow, app_id)
     return blk, pairs, num_swap_in, num_copy

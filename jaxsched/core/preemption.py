@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxsched.core import batching
 from jaxsched.core.block_pool import add_refs, cumsum, free_list, mask_rank, take_ranked, write_pairs
 from jaxsched.core.config import PREEMPT_COST, PREEMPT_DEFAULT, PREEMPT_RECOMPUTE, PREEMPT_SWAP
 from jaxsched.core.costs import recompute_seconds, swap_seconds
@@ -71,7 +72,8 @@ def choose_modes(victims_w: jax.Array, nmax_w: jax.Array, held_w: jax.Array, tok
         _, fits = lax.scan(body, host_free, (want, need), reverse=True)
         return fits
 
-    swap = lax.cond(need.sum() <= host_free, lambda _: want, greedy, None)
+    # When every wanted swap fits, the greedy scan swaps them all.
+    swap = batching.cond(need.sum() > host_free, greedy, lambda _: want, None, same=True)
     return swap, victims_w & ~swap
 
 

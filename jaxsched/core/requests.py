@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from flax import struct
 from jax import lax
 
+from jaxsched.core import batching
 from jaxsched.core.block_pool import add_refs, entry_valid, exclusive_cumsum
 from jaxsched.core.state import (ABORTED, EMPTY, FINISHED, IGNORE_NEVER_FITS, IGNORE_TOO_MANY_SEQS,
                             IGNORED, LENGTH_CAPPED, RUNNING, STOPPED, SWAPPED, WAITING,
@@ -102,8 +103,7 @@ def _add_requests(state: SchedulerState, batch: RequestBatch) -> tuple[Scheduler
     return state, slot
 
 
-@jax.jit
-def update(state: SchedulerState, scheduled: jax.Array, num_scheduled_tokens: jax.Array,
+def update_impl(state: SchedulerState, scheduled: jax.Array, num_scheduled_tokens: jax.Array,
            is_prefill: jax.Array, stopped: jax.Array | None = None):
     """Apply one step's results: prefill progress, sampled tokens, forks, finishing (SPEC A9).
 
@@ -144,8 +144,9 @@ def update(state: SchedulerState, scheduled: jax.Array, num_scheduled_tokens: ja
         return (jnp.where(fin, 0, num_blocks), jnp.where(fin[..., None], 0, block_table), device_ref)
 
     # NOTE: most steps neither fork nor finish a sequence; they skip the [G, S, M] table work.
-    num_blocks, block_table, device_ref = lax.cond(
-        (new_seq | fin).any(), tables, lambda: (state.num_blocks, state.block_table, state.device_ref))
+    num_blocks, block_table, device_ref = batching.cond(
+        (new_seq | fin).any(), tables, lambda: (state.num_blocks, state.block_table, state.device_ref),
+        same=True)
     state = state.replace(
         prefill_done=done, forked=state.forked | samples, seq_alive=alive,
         seq_finish_reason=seq_reason, num_tokens=num_tokens, num_blocks=num_blocks,
@@ -156,14 +157,19 @@ def update(state: SchedulerState, scheduled: jax.Array, num_scheduled_tokens: ja
     return state, sampled, group_done
 
 
-@jax.jit
-def free_finished(state: SchedulerState) -> tuple[SchedulerState, jax.Array]:
+def free_finished_impl(state: SchedulerState) -> tuple[SchedulerState, jax.Array]:
     """Release the slots of finished groups (their blocks were freed as they finished)."""
     fin = state.status == FINISHED
     # Most steps finish nobody: they skip rewriting the state.
-    return lax.cond(fin.any(), lambda: state.replace(status=jnp.where(fin, EMPTY, state.status),
-                                                     seq_alive=state.seq_alive & ~fin[:, None]),
-                    lambda: state), fin
+    return batching.cond(fin.any(), lambda: state.replace(status=jnp.where(fin, EMPTY, state.status),
+                                                          seq_alive=state.seq_alive & ~fin[:, None]),
+                         lambda: state, same=True), fin
+
+
+# Jitted for callers stepping one state; the `_impl`s are for tracing inside a larger step
+# (a sweep's batch of runs traces them under `batching.runs_axis`).
+update = jax.jit(update_impl)
+free_finished = jax.jit(free_finished_impl)
 
 
 @jax.jit

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxsched.core import placement
+from jaxsched.core import batching, placement
 from jaxsched.core.block_pool import entry_valid, exclusive_cumsum, first_holder, num_free
 from jaxsched.core.config import PREEMPT_RECOMPUTE, PREEMPT_SWAP, Capacity, SchedulerConfig
 from jaxsched.core.placement import Blocks, no_pairs
@@ -147,8 +147,8 @@ def _running(state, cap, d, q: Queues, free, enabled):
         inp = RunningInputs(num_seqs=t(d.n_live), need=t(append_d), held=t(d.held),
                             full=t(full), is_prefill=t(d.in_prefill))
         # SPEC B5 applies only where a lone prefill at the head would be recomputed.
-        head = lax.cond(inp.is_prefill[0], lambda: _head_recomputes(state, cap, d, order, m),
-                        lambda: jnp.asarray(True))
+        head = batching.cond(inp.is_prefill[0], lambda: _head_recomputes(state, cap, d, order, m),
+                             lambda: jnp.asarray(True))
         if cap.artificial_preemption:
             key = jax.random.fold_in(state.rng, state.step)
             walk, cnt = running_walk_loop(inp, m, free, lim.max_num_batched_tokens, key, count,
@@ -170,7 +170,7 @@ def _running(state, cap, d, q: Queues, free, enabled):
 
     fits = _everyone_fits(d, lim, free, cap)
     branch = jnp.where(enabled & (q.count[1] > 0), jnp.where(fits, 1, 2), 0)
-    return lax.switch(branch, [skip, everyone, walk])
+    return batching.switch(branch, [skip, everyone, walk])
 
 
 def _head_recomputes(state, cap: Capacity, d, order, m) -> jax.Array:
@@ -301,14 +301,14 @@ def _walks(state, cap, d, q, free0, admission_runs, gate):
     append_h = jnp.where(d.is_swap, d.appends, 0)
 
     def admission(free, token_left, seq_left, enabled):
-        return lax.cond(enabled & (q.count[0] > 0),
-                        lambda: _admission(state, cap, d, q, free, token_left, seq_left),
-                        lambda: (_no_walk(g), jnp.zeros((g,), jnp.int32)))
+        return batching.cond(enabled & (q.count[0] > 0),
+                             lambda: _admission(state, cap, d, q, free, token_left, seq_left),
+                             lambda: (_no_walk(g), jnp.zeros((g,), jnp.int32)))
 
     def swapped(free, token_left, seq_left, enabled):
-        return lax.cond(enabled & (q.count[2] > 0),
-                        lambda: _swapped(state, cap, d, q, free, token_left, seq_left),
-                        lambda: _no_walk(g))
+        return batching.cond(enabled & (q.count[2] > 0),
+                             lambda: _swapped(state, cap, d, q, free, token_left, seq_left),
+                             lambda: _no_walk(g))
 
     if cap.enable_chunked_prefill:
         run = _running(state, cap, d, q, free0, jnp.asarray(True))
@@ -352,13 +352,18 @@ def schedule_impl(state: SchedulerState, cap: Capacity, now: jax.Array, steady_p
     order, sorted_ = order_is_cached(state)
     # All of `running` decodes, or all of it prefills: it rejoins in its order (no prefix sum).
     one_kind = (b.run_prefills == 0) | (b.run_prefills == n_run)
-    steady = ((n_wait == 0) & (n_swap == 0) & (n_run > 0) & one_kind & sorted_
+    # In a batch of runs an empty run (not started, or drained) takes the steady step too,
+    # which does for it what the general step would; alone it takes the general step.
+    busy = (n_run > 0) if batching.current_axis() is None else jnp.asarray(True)
+    steady = ((n_wait == 0) & (n_swap == 0) & busy & one_kind & sorted_
               & _everyone_fits(b, lim, free0, cap))
-    branch = jnp.where(steady, jnp.where(b.decode_appends > 0, 2, 1), 0)
-    return lax.switch(branch, [
-        lambda: _general(state, now, cap, free0, totals),
+    # Ordered by cost; each branch gives what the cheaper ones would, for the steps they
+    # take (tests/test_differential.py), so a batch of runs takes the costliest any needs.
+    branch = jnp.where(steady, jnp.where(b.decode_appends > 0, 1, 0), 2)
+    return batching.switch(branch, [
         lambda: _steady(state, now, cap, free0, totals, order, allocate=False),
-        lambda: _steady(state, now, cap, free0, totals, order, allocate=True)])
+        lambda: _steady(state, now, cap, free0, totals, order, allocate=True),
+        lambda: _general(state, now, cap, free0, totals)], covers=True)
 
 
 def _steady(state, now, cap: Capacity, free0, totals, order, allocate: bool):
@@ -450,8 +455,8 @@ def _preempt(state, cap: Capacity, d: StepValues, q: Queues, run: Running, free0
         return no_victims(g), blk, host_table, pairs, jnp.int32(0), free0, host_free0
 
     blk = Blocks(state.block_table, state.num_blocks, state.device_ref, state.host_ref)
-    v, blk, host_table, pairs, count, free_dev, free_host = lax.cond(
-        run.preempted.any(), preempt, no_preempt, blk, no_pairs(cap), state.host_table)
+    v, blk, host_table, pairs, count, free_dev, free_host = batching.cond(
+        run.preempted.any(), preempt, no_preempt, blk, no_pairs(cap), state.host_table, same=True)
     victims = v.recompute | v.swap
     blk = blk._replace(block_table=jnp.where(victims[:, None, None], 0, blk.block_table),
                        num_blocks=jnp.where(v.recompute[:, None], 0, blk.num_blocks))
@@ -478,7 +483,8 @@ def _place(state, cap: Capacity, d: StepValues, adm, swp, run, blk, pairs, host_
     def no_place(blk, pairs, free_dev, free_host):
         return blk, pairs, jnp.int32(0), jnp.int32(0), free_dev, free_host
 
-    return lax.cond(moved.any() | appending.any(), place, no_place, blk, pairs, free_dev, free_host)
+    return batching.cond(moved.any() | appending.any(), place, no_place, blk, pairs, free_dev,
+                         free_host, same=True)
 
 
 def _commit(state, d: StepValues, q: Queues, adm, ign_reason, swp, run, fields, blk, host_table,

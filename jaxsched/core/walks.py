@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxsched.core import batching
 from jaxsched.core.block_pool import cummin, cumsum, exclusive_cumsum, first_true
 from jaxsched.core.state import RUNNING, SWAPPED, WAITING, SchedulerState
 
@@ -245,8 +246,9 @@ def queues(state: SchedulerState, counts: jax.Array, cached=None) -> Queues:
     idx = jnp.arange(g, dtype=jnp.int32)
     if cached is None:
         cached, fresh = order_is_cached(state)
-        cached = lax.cond(fresh, lambda: cached,
-                          lambda: lax.sort(_sort_keys(state, idx), num_keys=4)[-1])
+        # Sorting a sorted order gives it back (the slot index breaks ties).
+        cached = batching.cond(~fresh, lambda: lax.sort(_sort_keys(state, idx), num_keys=4)[-1],
+                               lambda: cached, same=True)
     pos = jnp.zeros((g,), jnp.int32).at[cached].set(idx)
     count = counts
     return Queues(cached, pos, (jnp.int32(0), count[0], count[0] + count[1]), tuple(count))
@@ -277,5 +279,5 @@ def requeue(q: Queues, queue_key, tail_key, categories, queue_of=(0, 1, 1, 2, 2)
         rank = exclusive_cumsum(in_order, axis=1, bound=in_order.shape[1])
         return jnp.take((offset[:, None] + rank) * in_order, q.pos, axis=1)
 
-    keys = lax.cond(whole.all(), by_position, by_prefix_sum).sum(0)
+    keys = batching.cond(~whole.all(), by_prefix_sum, by_position, same=True).sum(0)
     return jnp.where(masks.any(0), keys, queue_key), tail_key + sizes.sum()

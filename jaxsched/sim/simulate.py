@@ -19,8 +19,10 @@ from jax import lax
 
 from jaxsched.core.config import PREEMPT_RECOMPUTE, PREEMPT_SWAP, Capacity, SchedulerConfig
 from jaxsched.core.invariants import CHECKS, InvariantError, describe, invariant_violations
-from jaxsched.core.requests import RequestBatch, add_requests, free_finished, update
-from jaxsched.core.scheduler import schedule_step
+from jaxsched.core import batching
+from jaxsched.core.requests import (RequestBatch, add_requests, free_finished, free_finished_impl,
+                                    update, update_impl)
+from jaxsched.core.scheduler import schedule_impl, schedule_step
 from jaxsched.core.state import FINISH_NAMES, FINISHED, IGNORE_REASONS, IGNORED, init_state
 from jaxsched.sim.capacity import replay_capacity
 from jaxsched.sim.trace import Trace, parse_trace
@@ -40,14 +42,18 @@ def replay_step(state, batch: RequestBatch, now, cap: Capacity, record, check: b
     are still in their slots, and free_finished empties them. With `check`, the invariants
     are evaluated after `schedule` and after `update`. Returns (state, record, flags).
     """
+    # Traced for a batch of runs (`batching.runs_axis`, a sweep), the transitions are traced
+    # inline, so that their skips are decided once for the batch.
+    inline = batching.current_axis() is not None
     state, slots = add_requests(state, batch)
-    state, out = schedule_step(state, cap, now)
+    state, out = (schedule_impl if inline else schedule_step)(state, cap, now)
     flags = invariant_violations(state, out) if check else jnp.zeros((len(CHECKS),), bool)
-    state, _, _ = update(state, out.scheduled, out.num_scheduled_tokens, out.is_prefill)
+    state, _, _ = (update_impl if inline else update)(state, out.scheduled, out.num_scheduled_tokens,
+                                                      out.is_prefill)
     if check:
         flags = flags | invariant_violations(state)
     kept = record(state, out, slots)
-    state, _ = free_finished(state)
+    state, _ = (free_finished_impl if inline else free_finished)(state)
     return state, kept, flags
 
 
