@@ -1,7 +1,8 @@
 """Capacity sweeps: every run equals `simulate` of its configuration, one compile per shape.
 
 One small trace, grid and static capacity serve the whole file, so the vmapped sweep, the
-loop-over-runs sweep and `simulate` each compile once.
+loop-over-runs sweep and `simulate` each compile once per batch shape. The trace's runs
+drain between ~100 and ~400 steps, so the vmapped sweep compacts its batch on the way.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 from jaxsched import simulate, summarize
 from jaxsched.entrypoints.cli_sweep import register
 from jaxsched.core.costs import PreemptionCosts
-from jaxsched.sim.sweep import SweepError, sweep, sweep_chunk
+from jaxsched.sim.sweep import SweepError, sweep
 from jaxsched.sim.workload import LogNormal, StepTimeModel, generate_trace
 
 TRACE = generate_trace(24, rate=0.5, prompt=LogNormal(4.0, 0.6), output=LogNormal(3.0, 0.6),
@@ -38,10 +39,10 @@ def run_cli(argv: list[str]) -> int:
 
 @pytest.fixture(scope="module")
 def vmapped():
-    """The grid in one vmapped call, and how many compiles it took."""
-    before = sweep_chunk._cache_size()
-    rows = sweep(TRACE, **GRID, capacity=CAPACITY, vmap_runs=16, progress=False)
-    return rows, sweep_chunk._cache_size() - before
+    """The grid in one vmapped call (one thread), and its stats (compiles, batch shapes)."""
+    stats = {}
+    rows = sweep(TRACE, **GRID, capacity=CAPACITY, vmap_runs=16, threads=1, progress=False, stats=stats)
+    return rows, stats
 
 
 def expected_row(row: dict) -> dict:
@@ -78,13 +79,26 @@ def test_sweep__every_run_equals_simulate_of_its_configuration(vmapped):
         assert row["blocks_swapped_in"] <= returned == row["blocks_swapped_out"]
 
 
+def test_sweep__drained_runs_leave_the_vmapped_batch(vmapped):
+    """Compaction: the runs left are gathered into a smaller batch; rows still equal simulate's
+    (the test above), and the stats count what was stepped."""
+    rows, stats = vmapped
+    assert stats["path"] == "vmap" and stats["shard_sizes"][0] == 16 and stats["shard_sizes"][-1] < 16
+    assert max(r["steps"] for r in rows) > 2 * min(r["steps"] for r in rows)
+    assert stats["run_steps"] == sum(r["steps"] for r in rows)
+    assert stats["stepped_run_steps"] < 16 * max(r["steps"] for r in rows)
+    assert 0 < stats["compile_s"] < stats["wall_s"] and stats["run_s"] > 0
+
+
 def test_sweep__compiles_once_per_shape(vmapped):
-    _, compiles = vmapped
-    assert compiles == 1                         # many chunks of steps, one compile
-    before = sweep_chunk._cache_size()
+    _, stats = vmapped
+    assert stats["compiles"] == len(set(stats["shard_sizes"]))   # many chunks, one compile per shape
+    again = {}
     other = sweep(TRACE, num_device_blocks=[10, 14, 24, 30], max_num_seqs=[5, 7],
-                  preemption_mode=["auto", "swap"], capacity=CAPACITY, vmap_runs=16, progress=False)
-    assert sweep_chunk._cache_size() == before   # other limits, same shapes: no recompile
+                  preemption_mode=["auto", "swap"], capacity=CAPACITY, vmap_runs=16, threads=1,
+                  progress=False, stats=again)
+    # Other limits, same capacity: only batch shapes not seen before compile.
+    assert again["compiles"] == len(set(again["shard_sizes"]) - set(stats["shard_sizes"]))
     assert [r["num_device_blocks"] for r in other[:4]] == [10, 14, 24, 30]
 
 
@@ -93,10 +107,10 @@ def test_sweep__auto_with_costs_that_always_favour_swap_equals_swap(vmapped, tmp
     rows, _ = vmapped
     path = tmp_path / "costs.json"
     PreemptionCosts(recompute_fixed=1e6, recompute_per_token=1.0, swap_per_block=1.0).to_json(path)
-    before = sweep_chunk._cache_size()
+    stats = {}
     auto = sweep(TRACE, **dict(GRID, preemption_mode=["auto", "swap"]), capacity=CAPACITY, vmap_runs=16,
-                 progress=False, preemption_costs=str(path))
-    assert sweep_chunk._cache_size() == before
+                 threads=1, progress=False, preemption_costs=str(path), stats=stats)
+    assert stats["compiles"] == len(set(stats["shard_sizes"]) - set(vmapped[1]["shard_sizes"]))
     swap = [r for r in rows if r["preemption_mode"] == "swap"]
     assert [r["preemption_mode"] for r in auto[:8]] == ["auto"] * 8
     for a, b in zip(auto[:8], swap):
@@ -109,7 +123,7 @@ def test_sweep__auto_with_costs_that_always_favour_swap_equals_swap(vmapped, tmp
 def test_sweep__runs_not_drained_within_max_steps_raise_like_simulate(vmapped):
     trace = dict(TRACE, config=dict(TRACE["config"], max_steps=150))
     with pytest.raises(RuntimeError, match=r"sweep: 14 of 16 runs unfinished after max_steps=150"):
-        sweep(trace, **GRID, capacity=CAPACITY, vmap_runs=16, progress=False)
+        sweep(trace, **GRID, capacity=CAPACITY, vmap_runs=16, threads=1, progress=False)
     drained = [r for r in vmapped[0] if r["steps"] <= 150]
     assert len(drained) == 2                     # simulate finishes exactly these two in time
     config = dict(trace["config"], **{k: drained[0][k] for k in GRID})
@@ -128,11 +142,17 @@ def test_sweep__loop_over_runs_equals_vmap_and_unit_step_cost_counts_steps(vmapp
 
 
 def test_sweep__runs_split_over_threads_give_the_same_rows_in_grid_order(vmapped):
-    """3 shards of 16 runs: dealt out round-robin, the last shard padded with a drained run."""
+    """3 shards of 16 runs: dealt out round-robin, the last shard padded with a drained run;
+    looped and vmapped (each shard its own vmap, compacted as its runs drain)."""
     rows, _ = vmapped
+    key = lambda rs: [{k: r[k] for k in (*GRID, *METRICS)} for r in rs]   # noqa: E731
     threaded = sweep(TRACE, **GRID, capacity=CAPACITY, vmap_runs=1, threads=3, progress=False)
-    assert [{k: r[k] for k in (*GRID, *METRICS)} for r in threaded] == \
-        [{k: r[k] for k in (*GRID, *METRICS)} for r in rows]
+    assert key(threaded) == key(rows)
+    stats = {}
+    vmapped_threads = sweep(TRACE, **GRID, capacity=CAPACITY, vmap_runs=16, threads=2, progress=False,
+                            stats=stats)
+    assert stats["threads"] == 2 and stats["shard_sizes"][0] == 8 and len(stats["shard_sizes"]) > 1
+    assert key(vmapped_threads) == key(rows)
     with pytest.raises(SweepError, match="threads must be a positive integer"):
         sweep(TRACE, **GRID, capacity=CAPACITY, threads=0, progress=False)
 
@@ -159,7 +179,7 @@ def test_sweep__more_requests_alive_than_slots_doubles_them_or_says_so(monkeypat
 
     calls = []
 
-    def replay(trace, configs, cap, vmap_runs, progress, threads):
+    def replay(trace, configs, cap, vmap_runs, progress, threads, stats=None):
         calls.append(cap["num_slots"])        # overflow until 64 slots
         if cap["num_slots"] < 64:
             return None
@@ -206,3 +226,16 @@ def test_cli_sweep__bad_spec_is_one_error_line(tmp_path, capsys):
     assert run_cli(["sweep", str(path), "--num-device-blocks", "1024:64:64"]) == 2
     err = capsys.readouterr().err
     assert err == "jaxsched sweep: num_device_blocks: empty range '1024:64:64' (start > stop)\n"
+
+
+def test_sweep__slot_doublings_restart_with_the_same_rows(vmapped, monkeypatch):
+    """Starting from 8 slots, the vmapped sweep restarts with more; rows are unchanged."""
+    import importlib
+    sweep_module = importlib.import_module("jaxsched.sim.sweep")
+    rows, _ = vmapped
+    monkeypatch.setattr(sweep_module, "sweep_capacity", lambda *a, **k: dict(CAPACITY, num_slots=8))
+    stats = {}
+    doubled = sweep(TRACE, **GRID, vmap_runs=16, threads=1, progress=False, stats=stats)
+    assert stats["num_slots"] > 8
+    assert [{k: r[k] for k in (*GRID, *METRICS)} for r in doubled] == \
+        [{k: r[k] for k in (*GRID, *METRICS)} for r in rows]

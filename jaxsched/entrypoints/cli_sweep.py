@@ -104,6 +104,8 @@ def register(subparsers) -> None:
       "is at least G (e.g. 0.99)")
     s("-o", "--output-dir", help="write sweep.csv, sweep.json and plots here")
     s("--no-progress", action="store_true", help="no progress bar")
+    from jaxsched.entrypoints.cli import add_cache_arg
+    add_cache_arg(sweep)
     sweep.set_defaults(func=cmd_sweep)
 
 
@@ -293,6 +295,8 @@ def cmd_sweep(args) -> int:
             raise ValueError("--device-memory: needs --model")
         if args.min_goodput is not None and args.slo_ttft is None and args.slo_tpot is None:
             raise ValueError("--min-goodput: needs --slo-ttft and/or --slo-tpot")
+        from jaxsched.entrypoints.compilation_cache import enable_compilation_cache
+        enable_compilation_cache(getattr(args, "compilation_cache_dir", None))
         rows = sweep(trace, capacity=capacity, step_time_model=model, vmap_runs=args.vmap_runs,
                      threads=args.threads, progress=not args.no_progress,
                      preemption_costs=args.preemption_costs, memory=memory,

@@ -16,12 +16,27 @@ A step is the same composition of public transitions as `simulate`'s, and each r
 metrics are read from per-step records of that step, so a row equals what `simulate`
 reports for its configuration.
 
-NOTE: under `jax.vmap` the scheduler's `lax.cond` skips turn into selects that compute both
-branches, so every vmapped step costs a worst-case step. On an accelerator the vmap still
-wins; on CPU a `lax.map` over runs inside the same compiled call is faster, and it also
-skips the chunks of runs that have drained. `vmap_runs` picks (default: by backend).
-On CPU the runs are also split into one shard per core, each stepped by the same compiled
-call on its own host thread (`threads`).
+Two ways to step a batch of runs inside the compiled call (`vmap_runs`):
+
+  lax.map (vmap_runs=1): one run after another; each run's `lax.cond` skips are its own, and
+      a drained run skips its chunks. The runs are also split into one shard per core,
+      each stepped by the same compiled call on its own host thread (`threads`).
+  jax.vmap (vmap_runs > 1): groups of runs stepped together, with their run axis named and
+      the step traced under `core.batching.runs_axis`: every skip of the scheduler is
+      decided once for the group (the predicate an `any` over runs, so a `lax.cond` stays a
+      cond; the work is done for all when some run needs it, and each run keeps its own
+      branch's result, or the work's result where that is the same, e.g. the general step
+      for a steady decode step). Between chunks, runs that have drained are dropped from
+      the batch (compaction to a power of two per shard, at most log4(runs) + 1 shapes).
+
+Default, by measurement (benchmarks/sweep.py, benchmarks/results/sweep.md): lax.map with one
+thread per core on CPU, where a step's cost is XLA's per-kernel overhead plus the table-sized
+work of whichever branches run, so a batch that takes every branch any run needs (some run
+of a grid admits, preempts or frees in almost every step) costs more per run-step than each
+run taking only its own (about 1.5x at 16..256 runs on 2 cores); one vmap over all runs on
+an accelerator, where the batch's kernels run in parallel. Compile time is reported apart
+(`stats`); one compiled chunk serves every batch of the same capacity and shape within a
+process, and `jaxsched sweep` turns on the persistent compilation cache across processes.
 
 Request slots are a static size too. A sweep starts with a modest number of slots and, if
 some run ever has more requests alive than slots, doubles them and starts over (one more
@@ -36,6 +51,7 @@ import itertools
 import math
 import os
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -43,6 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxsched.core import batching
 from jaxsched.core.config import PREEMPT_RECOMPUTE, PREEMPT_SWAP, SchedulerConfig
 from jaxsched.core.costs import PreemptionCosts
 from jaxsched.core.requests import RequestBatch
@@ -256,30 +273,59 @@ def _step(carry, x, cols, arrival_time, cap, width):
     return (state, per_request), record
 
 
+RUNS = "runs"       # the vmap axis name of a batch of runs (core.batching decides skips over it)
+# Compiled chunk steps by shapes: (cap, width, vmap group, argument shapes) -> executable.
+_EXECUTABLES: dict = {}
+
+
 @functools.partial(jax.jit, static_argnames=("cap", "width", "vmap_runs"), donate_argnums=(0,))
 def sweep_chunk(carry, cols, arrival_time, start, times, cap, width, vmap_runs):
-    """Steps start.. start+K-1 (K = len(times)) of every run: vmap over runs of a lax.scan.
+    """Steps start.. start+K-1 (K = len(times)) of every run of the batch.
 
     `carry` is (state, per_request) with a leading run axis; returns it and the records
     int32[runs, K, NUM_COLS]. The trace (`cols`, `arrival_time`) and times are shared.
-    `jax.vmap` steps `vmap_runs` runs together; a `lax.map` inside the same call loops
-    over the groups when that is fewer than all runs (1: no vmap at all).
+    `vmap_runs` = 1: a `lax.map` over runs, each run's skips its own (a drained run skips
+    the chunk). Else `jax.vmap` over groups of `vmap_runs` runs (a `lax.map` over the
+    groups when that is fewer than all), traced under `batching.runs_axis`: every skip is
+    decided once for the group, so the work is done when some run of the group needs it.
     """
     steps = start + jnp.arange(times.shape[0], dtype=jnp.int32)
 
-    def run(c):
-        def chunk(c):
-            return lax.scan(lambda c, x: _step(c, x, cols, arrival_time, cap, width), c, (steps, times))
-        # A drained run skips the chunk (outside vmap): its records are not read past its end.
-        idle = lambda c: (c, jnp.zeros((times.shape[0], NUM_COLS), jnp.int32))
-        return lax.cond((c[1][0] >= 0).all(), idle, chunk, c)
-    # NOTE: under vmap every lax.cond of the scheduler becomes a select that computes both
-    # branches; a plain lax.map keeps the skips (about 4x faster per run-step on 2 CPU cores).
+    def chunk(c):
+        return lax.scan(lambda c, x: _step(c, x, cols, arrival_time, cap, width), c, (steps, times))
+
+    # Records of a drained run are not read past its end: skipping its chunk changes nothing.
+    idle = lambda c: (c, jnp.zeros((times.shape[0], NUM_COLS), jnp.int32))   # noqa: E731
+    drained = lambda c: (c[1][0] >= 0).all()                                 # noqa: E731
     if vmap_runs == 1:
-        return lax.map(run, carry)
-    if vmap_runs >= carry[1].shape[0]:
-        return jax.vmap(run)(carry)
-    return lax.map(run, carry, batch_size=vmap_runs)
+        return lax.map(lambda c: lax.cond(drained(c), idle, chunk, c), carry)
+
+    def one(c):
+        with batching.runs_axis(RUNS):
+            return batching.cond(~drained(c), chunk, idle, c, same=True)
+    many = jax.vmap(one, axis_name=RUNS)
+    runs = carry[1].shape[0]
+    if vmap_runs >= runs:
+        return many(carry)
+    groups = jax.tree.map(lambda x: x.reshape(runs // vmap_runs, vmap_runs, *x.shape[1:]), carry)
+    groups, rec = lax.map(many, groups)
+    flat = lambda x: x.reshape(runs, *x.shape[2:])                           # noqa: E731
+    return jax.tree.map(flat, groups), flat(rec)
+
+
+def _executable(args, cap, width, vmap_runs, stats):
+    """The compiled `sweep_chunk` for these shapes (compiled once per process; the time of a
+    compile goes to stats['compile_s'])."""
+    shapes = tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(args))
+    key = (cap, width, vmap_runs, shapes)
+    exe = _EXECUTABLES.get(key)
+    if exe is None:
+        t0 = time.perf_counter()
+        exe = sweep_chunk.lower(*args, cap=cap, width=width, vmap_runs=vmap_runs).compile()
+        _EXECUTABLES[key] = exe
+        stats["compile_s"] = stats.get("compile_s", 0.0) + time.perf_counter() - t0
+        stats["compiles"] = stats.get("compiles", 0) + 1
+    return exe
 
 
 def default_threads() -> int:
@@ -293,33 +339,58 @@ def default_threads() -> int:
         return os.cpu_count() or 1
 
 
+def _shard_size(live: int, first: int, shards: int, vmap_runs: int) -> tuple[int, int]:
+    """(runs per shard, runs per vmap group) for `live` runs left of `first`.
+
+    The first batch holds every run; a compacted one a power of two per shard, so a sweep
+    compiles for at most log2(runs) + 1 batch shapes.
+    """
+    size = -(-live // shards)
+    if live < first:
+        size = min(pow2(size), -(-first // shards))
+    group = min(vmap_runs, size)
+    if 1 < group < size:
+        size = -(-size // group) * group
+    return size, group
+
+
+def _deal(count: int, total: int, shards: int) -> np.ndarray:
+    """The item at each of `total` positions (-1: padding) for `count` items: shard i (the
+    i-th run of `total // shards` positions) gets items i, i + shards, ...: neighbours in the
+    grid cost alike, so dealing them out evens the shards' work (a chunk waits for the
+    slowest shard)."""
+    deal = np.argsort(np.arange(total) % shards, kind="stable")
+    return np.where(deal < count, deal, -1)
+
+
 def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: int, progress: bool,
-            threads: int = 1):
+            threads: int = 1, stats: dict | None = None):
     """Run every config to the end; (records [runs, T, NUM_COLS], per_request [runs, 4, N]) or
     None when some run had more requests alive than slots.
 
-    With `threads` > 1 the runs are split into that many equal shards, each stepped by its
-    own compiled call on a host thread (XLA releases the GIL while it runs); a short last
-    shard is padded with drained runs, which skip every chunk, so every shard has one shape
-    and one compile serves them all.
+    The runs are stacked in a batch, split into `threads` equal shards, each stepped by the
+    same compiled call on its own host thread (XLA releases the GIL while it runs). Between
+    chunks, runs that have drained are dropped from the batch (compaction): when the runs
+    left fit a quarter of the batch (a power of two per shard) they are gathered into it, so a long
+    tail of slow runs does not carry the whole grid (vmapped runs only: under `lax.map` a
+    drained run costs nothing). Padding positions hold a copy of a run
+    (drained, or the grid's last at the start); their records are never read.
     """
     from tqdm.auto import tqdm
 
+    stats = {} if stats is None else stats
     cap_config = dataclasses.replace(configs[0], **cap)
     base = init_state(cap_config)
     reqs, runs = trace.requests, len(configs)
     shards = max(1, min(threads, runs))
-    size = -(-runs // shards)
-    # Shard i steps runs i, i + shards, ...: neighbours in the grid cost alike, so dealing
-    # them out evens the shards' work (each chunk waits for the slowest shard). Position p
-    # of the stacked runs holds run deal[p]; runs past the last are padding.
-    deal = np.argsort(np.arange(size * shards) % shards, kind="stable")
+    size, group = _shard_size(runs, runs, shards, vmap_runs)
+    ids = _deal(runs, size * shards, shards)       # the run at each position (-1: padding)
     limits = [set_limits(base, c) for c in configs]
-    state = jax.tree.map(lambda *xs: jnp.stack(xs), *[limits[min(r, runs - 1)] for r in deal])
-    # A padding run starts drained (every request has a finish step): it skips every chunk.
-    per_request = np.full((size * shards, 4, len(reqs)), -1, np.int32)
-    per_request[deal >= runs] = 0
-    back = np.argsort(deal)[:runs]         # stacked position of each run
+    state = jax.tree.map(lambda *xs: jnp.stack(xs), *[limits[r if r >= 0 else runs - 1] for r in ids])
+    # A padding run starts drained (every request has a finish step): lax.map skips it.
+    per_request = np.full((len(ids), 4, len(reqs)), -1, np.int32)
+    per_request[ids < 0] = 0
+    batch = (state, jnp.asarray(per_request))
     steps = np.array([r["arrival_step"] for r in reqs])
     order = np.argsort(steps, kind="stable")
     cols = np.array([[r[k] for r in reqs] for k in ("arrival_step", "prompt_len", "n", "max_tokens")])
@@ -327,42 +398,68 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
     arrival_time = np.array([s * trace.step_time for s in steps[order]]).astype(np.float32)
     cols, arrival_time = jax.device_put(cols), jax.device_put(arrival_time)
     width = pow2(max(8, np.bincount(steps).max()))
-    carries = [(jax.tree.map(lambda x: x[i * size:(i + 1) * size], state),
-                jnp.asarray(per_request[i * size:(i + 1) * size])) for i in range(shards)]
     done, last, chunks, start = np.zeros(runs, np.int64), np.zeros(runs, np.int64), [], 0
+    final = np.zeros((runs, 4, len(reqs)), np.int32)
+    capacity = cap_config.capacity()
+    sizes, stepped = [size], 0
 
-    def advance(carry, start, times):
-        carry, rec = sweep_chunk(carry, cols, arrival_time, jnp.int32(start), times,
-                                 cap=cap_config.capacity(), width=width,
-                                 vmap_runs=min(vmap_runs, size))
-        return carry, np.asarray(rec)
+    def split(batch):
+        return [jax.tree.map(lambda x: x[i * size:(i + 1) * size], batch) for i in range(shards)]
 
+    def join(carries):
+        return carries[0] if len(carries) == 1 else jax.tree.map(lambda *xs: jnp.concatenate(xs), *carries)
+
+    carries = split(batch)
     with tqdm(total=runs * len(reqs), disable=not progress, desc="sweep", unit="req") as bar, \
             concurrent.futures.ThreadPoolExecutor(shards) as pool:
         while (done < len(reqs)).any():
             if start >= trace.max_steps:
                 break
-            times = np.arange(start, start + CHUNK_STEPS, dtype=np.float32) * trace.step_time
-            if start == 0:      # the first call compiles; the other shards reuse it
-                out = [advance(c, start, times) for c in carries]
-            else:
-                out = list(pool.map(lambda c: advance(c, start, times), carries))
+            times = jnp.asarray(np.arange(start, start + CHUNK_STEPS, dtype=np.float32) * trace.step_time)
+            first = jnp.int32(start)
+            exe = _executable((carries[0], cols, arrival_time, first, times), capacity, width, group, stats)
+            advance = lambda c: exe(c, cols, arrival_time, first, times)   # noqa: E731
+            out = [advance(carries[0])] if shards == 1 else list(pool.map(advance, carries))
             carries = [c for c, _ in out]
-            rec = np.concatenate([r for _, r in out])[back]
-            if rec[:, :, C_OVERFLOW].any():
+            rec = np.concatenate([np.asarray(r) for _, r in out])
+            stepped += rec.shape[0] * CHUNK_STEPS
+            real = ids >= 0
+            if rec[real][:, :, C_OVERFLOW].any():
                 return None
-            chunks.append(rec)
-            new = rec[:, :, C_FINISHED].sum(1)
+            full = np.zeros((runs, CHUNK_STEPS, NUM_COLS), np.int32)
+            full[ids[real]] = rec[real]
+            chunks.append(full)
+            new = full[:, :, C_FINISHED].sum(1)
             done += new
-            from_end = np.argmax(rec[:, ::-1, C_FINISHED] > 0, axis=1)
+            from_end = np.argmax(full[:, ::-1, C_FINISHED] > 0, axis=1)
             last = np.where(new > 0, start + CHUNK_STEPS - 1 - from_end, last)
             bar.update(int(new.sum()))
             start += CHUNK_STEPS
+            live = np.nonzero(real & (done[np.maximum(ids, 0)] < len(reqs)))[0]
+            new_size, new_group = _shard_size(len(live), runs, shards, vmap_runs)
+            # Compaction (vmap only: a lax.map skips a drained run's chunk for free), once the
+            # live runs fit a quarter of the batch: fewer shapes, fewer compiles.
+            if live.size and group > 1 and new_size * 4 <= size:
+                batch = join(carries)
+                kept = np.asarray(batch[1])
+                final[ids[real]] = kept[real]
+                pad = int(np.nonzero(~np.isin(np.arange(len(ids)), live))[0][0])   # a drained run
+                items = _deal(len(live), new_size * shards, shards)
+                src = np.where(items >= 0, live[np.maximum(items, 0)], pad)
+                take = jnp.asarray(src)
+                batch = jax.tree.map(lambda x: jnp.take(x, take, axis=0), batch)
+                ids = np.where(items >= 0, ids[src], -1)
+                size, group = new_size, new_group
+                sizes.append(size)
+                carries = split(batch)
+    stats.update(shard_sizes=sizes, threads=shards, vmap_group=group, stepped_run_steps=stepped)
     bad = np.nonzero((done < len(reqs)) | (last >= trace.max_steps))[0]
     if bad.size:
         _unfinished(trace, configs, bad)
-    per_request = np.concatenate([np.asarray(c[1]) for c in carries])[back]
-    return np.concatenate(chunks, axis=1), per_request
+    kept = np.asarray(join(carries)[1])
+    real = ids >= 0
+    final[ids[real]] = kept[real]
+    return np.concatenate(chunks, axis=1), final
 
 
 def _unfinished(trace, configs, bad):
@@ -378,7 +475,8 @@ def _unfinished(trace, configs, bad):
 def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
           vmap_runs: int | None = None, threads: int | None = None, progress: bool = True,
           preemption_costs=None, memory=None, slo_ttft: float | None = None,
-          slo_tpot: float | None = None, per_request: bool = False, **axes) -> list[dict]:
+          slo_tpot: float | None = None, per_request: bool = False, stats: dict | None = None,
+          **axes) -> list[dict]:
     """Replay `trace` under every combination of the given limit lists; one row per run.
 
     Memory axes, vLLM's knobs: `gpu_memory_utilization` and `swap_space` (GiB), each a list
@@ -411,6 +509,12 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
     blocks_swapped_in; ignored; latency_mean, latency_p99 (steps from arrival to the
     finishing step, over requests not ignored); peak_device_blocks_used,
     peak_host_blocks_used; with a model, seconds, latency_mean_s, latency_p99_s.
+
+    `stats`, a dict, is filled with how the sweep went: wall_s, compile_s (tracing and XLA
+    compiles, apart; 0 when every batch shape was compiled before in this process),
+    run_s (the rest), compiles, run_steps (the steps of all runs to drain), path ("vmap" or
+    "map"), threads, vmap_group, shard_sizes (runs per shard, shrinking as runs drain),
+    stepped_run_steps (run-steps computed, padding included) and num_slots.
     """
     if not isinstance(trace, dict) or "config" not in trace:
         raise SweepError("sweep: the trace must be a dict with 'config' and 'requests'")
@@ -438,7 +542,27 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
         threads = default_threads()
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
         raise SweepError(f"sweep: threads must be a positive integer, got {threads!r}")
-    while (out := _replay(parsed, configs, cap, vmap_runs, progress, threads)) is None:
+    info = {"compile_s": 0.0, "compiles": 0, "runs": len(configs),
+            "path": "vmap" if vmap_runs > 1 else "map"}
+    t0 = time.perf_counter()
+    try:
+        out = _sweep_replay(parsed, configs, cap, capacity, vmap_runs, progress, threads, info)
+    finally:                    # also when runs did not drain (a benchmark times a few chunks)
+        if stats is not None:
+            wall = time.perf_counter() - t0
+            stats.update(info, wall_s=wall, run_s=wall - info["compile_s"], num_slots=cap["num_slots"])
+    records, per_request_ = out
+    if stats is not None:
+        stats["run_steps"] = int(sum(int(np.nonzero(r[:, C_FINISHED])[0].max()) + 1 for r in records))
+    arrival = np.array([r["arrival_step"] for r in parsed.requests])
+    slo = (slo_ttft, slo_tpot) if slo_ttft is not None or slo_tpot is not None else None
+    return [_row(p, c, records[i], per_request_[i], arrival, step_time_model, slo, per_request)
+            for i, (p, c) in enumerate(zip(points, configs))]
+
+
+def _sweep_replay(parsed, configs, cap, capacity, vmap_runs, progress, threads, info):
+    """`_replay`, restarted with twice the slots while some run has more requests alive."""
+    while (out := _replay(parsed, configs, cap, vmap_runs, progress, threads, stats=info)) is None:
         if capacity and "num_slots" in capacity:
             raise SweepError(f"sweep: some run has more than num_slots={cap['num_slots']} requests "
                              f"alive at once; raise the capacity's num_slots")
@@ -446,11 +570,7 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
         if progress:
             print(f"sweep: more requests alive than {cap['num_slots'] // 2} slots; restarting with "
                   f"{cap['num_slots']} (one more compile; capacity num_slots skips this)", file=sys.stderr)
-    records, per_request_ = out
-    arrival = np.array([r["arrival_step"] for r in parsed.requests])
-    slo = (slo_ttft, slo_tpot) if slo_ttft is not None or slo_tpot is not None else None
-    return [_row(p, c, records[i], per_request_[i], arrival, step_time_model, slo, per_request)
-            for i, (p, c) in enumerate(zip(points, configs))]
+    return out
 
 
 def _row(point, config, rec, per_request, arrival, model, slo=None, keep=False) -> dict:
