@@ -33,7 +33,7 @@ Default, by measurement (benchmarks/sweep.py, benchmarks/results/sweep.md): lax.
 thread per core on CPU, where a step's cost is XLA's per-kernel overhead plus the table-sized
 work of whichever branches run, so a batch that takes every branch any run needs (some run
 of a grid admits, preempts or frees in almost every step) costs more per run-step than each
-run taking only its own (about 1.5x at 16..256 runs on 2 cores); one vmap over all runs on
+run taking only its own (about 2x at 16 and 64 runs on 2 cores); one vmap over all runs on
 an accelerator, where the batch's kernels run in parallel. Compile time is reported apart
 (`stats`); one compiled chunk serves every batch of the same capacity and shape within a
 process, and `jaxsched sweep` turns on the persistent compilation cache across processes.
