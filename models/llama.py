@@ -28,6 +28,7 @@ from flax import nnx
 
 from jaxsched.cache.attention import AttentionMetadata, StepKV, Visibility, paged_attention, step_visibility
 from jaxsched.cache.kv_cache import KVCache, write_kv
+from models.host import aligned_empty
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -399,7 +400,8 @@ def stack_hf_tensors(expected: dict[str, HFParam], state: dict, dtype) -> dict[t
 
     `fill` builds any slice (a device's shard, or everything) straight from the HF tensors in
     `state`, read when it is called, stacking layers as it goes and casting only what it
-    returns: no stacked copy of all the weights is ever made on the host.
+    returns: no stacked copy of all the weights is ever made on the host. The slice comes
+    in a 64-byte aligned array, which `jax.device_put` on CPU adopts without a copy.
     """
     by_path: dict[tuple, list] = {}
     for name, p in expected.items():
@@ -414,17 +416,16 @@ def stack_hf_tensors(expected: dict[str, HFParam], state: dict, dtype) -> dict[t
         shape = ((len(names),) if stacked else ()) + tuple(host_shape)
 
         def host(name, transposed=transposed):
-            array = np.asarray(state[name])
+            array = np.asarray(state[name])      # a lazy tensor (GGUF) is read here
             return array.T if transposed else array  # a view: nothing copied yet
 
         def fill(index, names=names, shape=shape, stacked=stacked, host=host):
             index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+            part = aligned_empty(tuple(len(range(*s.indices(n))) for s, n in zip(index, shape)), dtype)
             if not stacked:
-                return np.asarray(host(names[0])[index], dtype=dtype)
-            layers = range(shape[0])[index[0]]
-            part = np.empty((len(layers),) + tuple(len(range(*s.indices(n))) for s, n in zip(index[1:], shape[1:])),
-                            dtype)
-            for j, i in enumerate(layers):
+                part[...] = host(names[0])[index]
+                return part
+            for j, i in enumerate(range(shape[0])[index[0]]):
                 part[j] = host(names[i])[index[1:]]
             return part
         out[path] = (shape, fill, names)
@@ -455,7 +456,8 @@ def load_hf_state_dict(model: LlamaForCausalLM, state: dict[str, np.ndarray], co
     """Assign HF-named tensors to `model` in place (cast to the config dtype, layers stacked).
 
     consume=True deletes each tensor from `state` once it is placed, so the host copy of the
-    weights shrinks as the device copy grows (the peak is about one copy, not two).
+    weights shrinks as the device copy grows; with lazy tensors (`read_gguf(lazy=True)`) no
+    host copy exists beyond the one being placed (the peak is about one copy, not two).
     Raises ValueError naming every missing, unexpected and mis-shaped tensor. Ignored: rotary
     inv_freq buffers, and `lm_head.weight` when the embeddings are tied.
     """
@@ -464,7 +466,8 @@ def load_hf_state_dict(model: LlamaForCausalLM, state: dict[str, np.ndarray], co
     flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
     by_path = {path: var for path, var in flat}
     for path, (shape, fill, names) in stack_hf_tensors(expected, state, dtype).items():
-        by_path[path].set_value(jnp.array(fill((slice(None),) * len(shape))))
+        # device_put, not jnp.array: on CPU the filled host array becomes the parameter itself.
+        by_path[path].set_value(jax.device_put(fill((slice(None),) * len(shape))))
         if consume:
             for name in names:
                 del state[name]

@@ -52,7 +52,9 @@ def _release_freed_memory() -> None:
 
 def load_weights(name_or_path: Optional[str] = None, dtype: str = "float32"
                  ) -> tuple[LlamaConfig, dict[str, np.ndarray], Optional[Tokenizer]]:
-    """(config, HF-named host tensors, tokenizer), before anything is placed on a device."""
+    """(config, HF-named host tensors, tokenizer), before anything is placed on a device.
+
+    From a GGUF file the tensors are `GGUFTensor`s, array-likes read when placed."""
     name = name_or_path or DEFAULT_MODEL
     if name.lower() in _ALIASES:
         path = find_smollm2_gguf()
@@ -64,8 +66,11 @@ def load_weights(name_or_path: Optional[str] = None, dtype: str = "float32"
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(f"model {str(path)!r}: expected a .gguf file or an HF directory")
-        hf_config, tensors, metadata = read_gguf(path)
+        # Lazy: each tensor is dequantized as it is placed (build_model / place_hf_tensors),
+        # so no float32 copy of the whole model sits on the host beside the placed one.
+        hf_config, tensors, metadata = read_gguf(path, lazy=True)
         tokenizer = Tokenizer.from_gguf(metadata)
+        del metadata
     else:
         hf_config, tensors = read_hf_checkpoint(path)
         tokenizer = Tokenizer.from_hf_dir(path) if (path / "tokenizer.json").exists() else None
