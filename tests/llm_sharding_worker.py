@@ -29,7 +29,7 @@ def main():
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 128, size=int(n)).tolist() for n in rng.integers(4, 14, size=6)]
     params = [SamplingParams(max_tokens=10, temperature=0.0, n=1 + i % 2) for i in range(6)]
-    report = {"devices": len(jax.devices()), "runs": {}}
+    report = {"devices": len(jax.devices()), "runs": {}, "lazy": lazy_buckets(LlamaForCausalLM(CONFIG, nnx.Rngs(1)))}
     runs = [("single", {}, "swap"), ("single", {}, "recompute"), ("tp2", dict(tensor_parallel_size=2), "recompute"),
             ("dp2_tp4", dict(mesh_shape=(2, 4)), "swap")]
     for name, kw, mode in runs:
@@ -54,6 +54,25 @@ def main():
     except ValueError as e:
         report["bad_mesh_error"] = str(e)
     print(json.dumps(report))
+
+
+def lazy_buckets(model) -> dict:
+    """A tensor-parallel LLM compiles a token bucket only when a step first needs it, each
+    once; `warm_up` compiles the rest."""
+    llm = LLM(model, tensor_parallel_size=2, **ENGINE)
+    greedy = SamplingParams(max_tokens=3, temperature=0.0)
+    out = {"buckets": list(llm.spec.token_buckets), "before": list(llm._step.compiled)}
+    llm.generate([[1] * 5], greedy, use_tqdm=False)       # prefill of 5, decodes: bucket 8
+    out["after_short"] = list(llm._step.compiled)
+    for prompt in ([2] * 3, [3] * 7):                      # other lengths, the same bucket
+        llm.generate([prompt], greedy, use_tqdm=False)
+    out["after_same_bucket"] = list(llm._step.compiled)
+    out["traces_before_warm_up"] = llm._step.parts.cache_sizes()
+    llm.warm_up()
+    out["after_warm_up"] = sorted(llm._step.compiled)
+    llm.generate([[4] * 20], greedy, use_tqdm=False)
+    out["traces"] = llm._step.parts.cache_sizes()
+    return out
 
 
 if __name__ == "__main__":

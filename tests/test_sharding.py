@@ -213,3 +213,14 @@ def test_llm__cache_and_weights_really_are_sharded(llm_report):
 def test_llm__mesh_that_does_not_divide_the_heads_is_rejected(llm_report):
     message = llm_report["bad_mesh_error"]
     assert "num_attention_heads=8" in message and "3" in message
+
+
+def test_llm__mesh_compiles_each_token_bucket_once_when_first_needed(llm_report):
+    lazy = llm_report["lazy"]
+    assert lazy["buckets"] == [8, 16, 32]
+    assert lazy["before"] == []                     # nothing compiled before a step needs it
+    assert lazy["after_short"] == [8]               # a short request: its own bucket only
+    assert lazy["after_same_bucket"] == [8]
+    assert lazy["traces_before_warm_up"] == {"plan": 1, "finish": 1, "model_8": 1}
+    assert lazy["after_warm_up"] == [8, 16, 32]     # warm_up compiles the rest
+    assert lazy["traces"] == {"plan": 1, "finish": 1, "model_8": 1, "model_16": 1, "model_32": 1}

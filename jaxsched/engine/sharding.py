@@ -302,3 +302,68 @@ class MeshForward:
     def __call__(self, graphdef, params, tokens, positions, metadata, kv_cache, impl):
         del impl
         return self.fn(graphdef, params, tokens, positions, metadata, kv_cache)
+
+
+# ----------------------------------------------------------------------------- the engine step
+
+
+class MeshStepParts:
+    """`LazyStep`'s three parts jitted for a mesh, each bucket of the model part on first use.
+
+    The shardings are explicit and fixed from the placed `state` and `params`: the state keeps
+    its placement (KV pools by kv head, the rest replicated), requests, the step's plan and
+    the logits are replicated. So each part compiles once (the model part once per token
+    bucket) and an output never comes back with a sharding that would compile it again.
+    Called as `LazyStep` calls its parts (`spec=`, and `size=` for the model).
+    """
+
+    def __init__(self, spec, state, params):
+        from jaxsched.engine.step import finish_impl, plan_impl
+        self.spec = spec
+        replicated = NamedSharding(state.kv.k.sharding.mesh, P())
+        state_sh = jax.tree.map(lambda x: x.sharding, state)
+        self._params_sh = jax.tree.map(lambda x: x.sharding, params)
+        self._kv_sh, self._replicated = state_sh.kv, replicated
+        self._plan = jax.jit(functools.partial(plan_impl, spec=spec), donate_argnums=(0,),
+                             in_shardings=(state_sh, replicated, replicated), out_shardings=(state_sh, replicated))
+        self._finish = jax.jit(functools.partial(finish_impl, spec=spec), donate_argnums=(0,),
+                               in_shardings=(state_sh, replicated, replicated),
+                               out_shardings=(state_sh, replicated))
+        self.models: dict[int, Callable] = {}           # token bucket -> its jitted model part
+
+    def _same(self, spec) -> None:
+        if spec is not self.spec and spec != self.spec:
+            raise ValueError("MeshStepParts: called with another EngineSpec than it was built for")
+
+    def plan(self, state, new, now, *, spec):
+        self._same(spec)
+        return self._plan(state, new, now)
+
+    def model(self, params, kv, plan, *, spec, size: int):
+        self._same(spec)
+        if size not in self.models:
+            from jaxsched.engine.step import model_impl
+            self.models[size] = jax.jit(
+                functools.partial(model_impl, spec=spec, size=size), donate_argnums=(1,),
+                in_shardings=(self._params_sh, self._kv_sh, self._replicated),
+                out_shardings=(self._replicated, self._kv_sh))
+        return self.models[size](params, kv, plan)
+
+    def finish(self, state, plan, logits, *, spec):
+        self._same(spec)
+        return self._finish(state, plan, logits)
+
+    def cache_sizes(self) -> dict:
+        """Compiled programs per part (the model's per bucket): each should stay at 1."""
+        return {"plan": self._plan._cache_size(), "finish": self._finish._cache_size(),
+                **{f"model_{size}": fn._cache_size() for size, fn in self.models.items()}}
+
+
+def mesh_step(spec, state, params):
+    """The engine step over a mesh as a `LazyStep`: a token bucket compiles when a step first
+    needs it, as on one device (`LLM.warm_up` compiles them all ahead of serving)."""
+    from jaxsched.engine.step import LazyStep
+    parts = MeshStepParts(spec, state, params)
+    step = LazyStep(spec, plan=parts.plan, model=parts.model, finish=parts.finish)
+    step.parts = parts
+    return step

@@ -12,7 +12,6 @@ engine's `OutputProcessor`, and the counters of `stats()` its `EngineStats`.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import pathlib
 import time
 from typing import Iterator, Optional, Sequence, Union
@@ -29,7 +28,7 @@ from jaxsched.engine.sharding import place_model
 from jaxsched.engine.output_processor import OutputProcessor
 from jaxsched.engine.params import RequestOutput, SamplingParams
 from jaxsched.engine.stats import EngineStats
-from jaxsched.engine.step import EngineSpec, init_engine, step_impl, token_buckets
+from jaxsched.engine.step import EngineSpec, init_engine, token_buckets
 from jaxsched.entrypoints.compilation_cache import enable_compilation_cache
 from jaxsched.core.requests import abort as abort_slots
 from jaxsched.core.state import Status, set_limits
@@ -203,15 +202,9 @@ class LLM(_FrontEnd):
         # its own bucket only (`warm_up` compiles them all ahead of serving).
         self._step = LazyStep(self.spec)
         if tp > 1 or devices:
-            # Over a mesh the step is jitted with explicit shardings: the state keeps its
-            # placement (cache by kv head, the rest replicated), requests come in replicated.
-            from jax.sharding import NamedSharding, PartitionSpec
-            replicated = NamedSharding(self.state.kv.k.sharding.mesh, PartitionSpec())
-            state_sh = jax.tree.map(lambda x: x.sharding, self.state)
-            params_sh = jax.tree.map(lambda x: x.sharding, self.params)
-            self._step = jax.jit(functools.partial(step_impl, spec=self.spec), donate_argnums=(0,),
-                                 in_shardings=(state_sh, params_sh, replicated, replicated),
-                                 out_shardings=(state_sh, replicated))
+            # Over a mesh, lazily too, with explicit shardings (sharding.MeshStepParts).
+            from jaxsched.engine.sharding import mesh_step
+            self._step = mesh_step(self.spec, self.state, self.params)
         self.cost_measurements = None
         if measure:
             costs, self.cost_measurements = self.measure_preemption_costs()
@@ -344,8 +337,8 @@ class LLM(_FrontEnd):
     def warm_up(self) -> float:
         """Compile and run every token bucket once before serving; returns the seconds it took.
 
-        Without it each bucket compiles when a step first needs it (on one device; over a
-        mesh the first step compiles them all), so a later request can wait for a compile.
+        Without it each bucket compiles when a step first needs it (on one device and over a
+        mesh alike), so a later request can wait for a compile.
         XLA:CPU also pays a one-time cost the first time each part of a compiled step runs
         (a few hundred ms per token bucket for SmolLM2), including the attention loop over
         cached blocks, which fresh prefills skip.
