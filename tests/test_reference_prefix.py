@@ -7,7 +7,7 @@ import copy
 import math
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from goldens import assert_matches_vllm, load, prefix_names
@@ -279,6 +279,11 @@ def test_reference__prefix_caching_invariants_hold_every_step(trace):
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(shared_prefix_traces())
+@example({"config": {"block_size": 1, "num_device_blocks": 4, "num_host_blocks": 0, "max_num_seqs": 4,
+                     "max_num_batched_tokens": 4, "max_model_len": 8, "enable_chunked_prefill": True,
+                     "enable_prefix_caching": True, "max_steps": 100},
+          "requests": [dict(id="q0", arrival_step=0, prompt_len=1, prompt_token_ids=[0], max_tokens=2, n=1),
+                       dict(id="q1", arrival_step=1, prompt_len=1, prompt_token_ids=[0], max_tokens=1, n=1)]})
 def test_reference__caching_changes_nothing_without_shared_content(trace):
     """n = 1 and prompts that differ from their first token: no block is ever shared, so
     every decision is the one made with caching off."""

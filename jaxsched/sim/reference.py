@@ -814,6 +814,10 @@ class ReferenceScheduler:
                 finished.append(group)
         if finished:
             self.running = deque(g for g in self.running if g.status is None)
+            # Reported in the schedule's order whatever order freed them, so that caching
+            # on and off give the same outputs where nothing is shared.
+            position = {id(s.group): k for k, s in enumerate(out.scheduled)}
+            finished.sort(key=lambda g: position[id(g)])
         return finished
 
 
