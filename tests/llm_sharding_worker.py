@@ -33,22 +33,21 @@ def main():
     runs = [("single", {}, "swap"), ("single", {}, "recompute"), ("tp2", dict(tensor_parallel_size=2), "recompute"),
             ("dp2_tp4", dict(mesh_shape=(2, 4)), "swap")]
     for name, kw, mode in runs:
-        if True:
-            llm = LLM(model, preemption_mode=mode, **ENGINE, **kw)
-            outs = llm.generate(prompts, params, use_tqdm=False)
-            stats = llm.stats()
-            run = {"tokens": [[c.token_ids for c in o.outputs] for o in outs],
-                   "preempted": stats["preempted_recompute"] + stats["preempted_swap"]}
-            replicas = getattr(llm, "replicas", [])       # a DataParallelLLM's engines
-            engine = replicas[0] if replicas else llm
-            run["kv_spec"] = str(engine.state.kv.k.sharding.spec) if hasattr(engine.state.kv.k.sharding, "spec") else None
-            run["kv_shard_shapes"] = sorted({tuple(s.data.shape) for s in engine.state.kv.k.addressable_shards})
-            q = engine.params["model"]["layers"]["self_attn"]["q_proj"]["kernel"]
-            q = q.get_value() if hasattr(q, "get_value") else q.value
-            run["q_shard_shapes"] = sorted({tuple(s.data.shape) for s in q.addressable_shards})
-            run["replica_devices"] = [sorted({s.device.id for s in r.state.kv.k.addressable_shards})
-                                      for r in replicas]
-            report["runs"][f"{name}-{mode}"] = run
+        llm = LLM(model, preemption_mode=mode, **ENGINE, **kw)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        stats = llm.stats()
+        run = {"tokens": [[c.token_ids for c in o.outputs] for o in outs],
+               "preempted": stats["preempted_recompute"] + stats["preempted_swap"]}
+        replicas = getattr(llm, "replicas", [])       # a DataParallelLLM's engines
+        engine = replicas[0] if replicas else llm
+        run["kv_spec"] = str(engine.state.kv.k.sharding.spec) if hasattr(engine.state.kv.k.sharding, "spec") else None
+        run["kv_shard_shapes"] = sorted({tuple(s.data.shape) for s in engine.state.kv.k.addressable_shards})
+        q = engine.params["model"]["layers"]["self_attn"]["q_proj"]["kernel"]
+        q = q.get_value() if hasattr(q, "get_value") else q.value
+        run["q_shard_shapes"] = sorted({tuple(s.data.shape) for s in q.addressable_shards})
+        run["replica_devices"] = [sorted({s.device.id for s in r.state.kv.k.addressable_shards})
+                                  for r in replicas]
+        report["runs"][f"{name}-{mode}"] = run
     try:
         LLM(model, tensor_parallel_size=3, **ENGINE)
     except ValueError as e:
