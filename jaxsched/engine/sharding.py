@@ -141,18 +141,7 @@ def param_shardings(params_state, config: LlamaConfig, mesh: Mesh):
 
 def shard_params(params_state, config: LlamaConfig, mesh: Mesh):
     """`params_state` (e.g. `nnx.split(model)[1]`) placed with `param_shardings`."""
-    return jax.device_put(jax.tree.map(_placeable, params_state),
-                          param_shardings(params_state, config, mesh))
-
-
-def _placeable(x):
-    # A model placed before (another LLM over it) may hold arrays spread over several devices
-    # with a sharding that is not a NamedSharding; JAX can move only NamedSharding arrays onto
-    # the same devices in another order, so those go through the host.
-    if (isinstance(x, jax.Array) and len(x.sharding.device_set) > 1
-            and not isinstance(x.sharding, NamedSharding)):
-        return np.asarray(x)
-    return x
+    return jax.device_put(params_state, param_shardings(params_state, config, mesh))
 
 
 # ----------------------------------------------------------------------------- KV cache
