@@ -41,6 +41,8 @@ def main():
         replicas = getattr(llm, "replicas", [])       # a DataParallelLLM's engines
         engine = replicas[0] if replicas else llm
         run["kv_spec"] = str(engine.state.kv.k.sharding.spec) if hasattr(engine.state.kv.k.sharding, "spec") else None
+        # The sharding's own device set, which JAX caches on the mesh: an engine must leave it whole.
+        run["kv_device_set"] = sorted(d.id for d in engine.state.kv.k.sharding.device_set)
         run["kv_shard_shapes"] = sorted({tuple(s.data.shape) for s in engine.state.kv.k.addressable_shards})
         q = engine.params["model"]["layers"]["self_attn"]["q_proj"]["kernel"]
         q = q.get_value() if hasattr(q, "get_value") else q.value

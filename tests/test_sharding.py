@@ -207,6 +207,10 @@ def test_llm__cache_and_weights_really_are_sharded(llm_report):
     assert runs["tp2-recompute"]["q_shard_shapes"] == [[2, 64, 32]]            # q_proj column-parallel,
     assert runs["dp2_tp4-swap"]["q_shard_shapes"] == [[2, 64, 16]]             # layers stacked whole
     devices = runs["dp2_tp4-swap"]["replica_devices"]
+    # Starting an engine must not shrink the mesh's cached device set (popping from
+    # `Array.devices()` once did, and a later engine on the same devices failed to place).
+    assert runs["tp2-recompute"]["kv_device_set"] == [0, 1]
+    assert runs["dp2_tp4-swap"]["kv_device_set"] == [0, 1, 2, 3]
     assert devices == [[0, 1, 2, 3], [4, 5, 6, 7]]                            # disjoint replicas
 
 

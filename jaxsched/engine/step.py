@@ -184,8 +184,9 @@ def init_engine(config: SchedulerConfig, kv_cache: kvc.KVCache, eos_token_id: in
         eos_token_id=jnp.asarray(-1 if eos_token_id is None else eos_token_id, jnp.int32),
     )
     # Commit every array to its device, as `step`'s outputs are: otherwise the second step
-    # sees other input shardings and compiles the whole engine again.
-    device = kv_cache.k.devices().pop()
+    # sees other input shardings and compiles the whole engine again. `devices()` is the
+    # mesh's own cached set: read it, never pop it (that corrupts every sharding on the mesh).
+    device = min(kv_cache.k.devices(), key=lambda d: d.id)
     return jax.tree.map(lambda x: x if getattr(x, "committed", True) else jax.device_put(x, device), state)
 
 
