@@ -1,6 +1,6 @@
 """Capacity sweeps: every run equals `simulate` of its configuration, one compile per shape.
 
-One small trace, grid and static capacity serve the whole file, so the vmapped sweep, the
+One small trace, grid, static capacity and thread count serve the whole file, so the vmapped sweep, the
 loop-over-runs sweep and `simulate` each compile once per batch shape. The trace's runs
 drain between ~100 and ~400 steps, so the vmapped sweep compacts its batch on the way.
 """
@@ -39,9 +39,11 @@ def run_cli(argv: list[str]) -> int:
 
 @pytest.fixture(scope="module")
 def vmapped():
-    """The grid in one vmapped call (one thread), and its stats (compiles, batch shapes)."""
+    """The grid vmapped on two threads (each shard its own vmap, compacted as its runs drain),
+    and its stats (compiles, batch shapes). The file's other vmapped sweeps use the same
+    threads and capacity, so they reuse these batch shapes' compiles."""
     stats = {}
-    rows = sweep(TRACE, **GRID, capacity=CAPACITY, vmap_runs=16, threads=1, progress=False, stats=stats)
+    rows = sweep(TRACE, **GRID, capacity=CAPACITY, vmap_runs=16, threads=2, progress=False, stats=stats)
     return rows, stats
 
 
@@ -83,7 +85,8 @@ def test_sweep__drained_runs_leave_the_vmapped_batch(vmapped):
     """Compaction: the runs left are gathered into a smaller batch; rows still equal simulate's
     (the test above), and the stats count what was stepped."""
     rows, stats = vmapped
-    assert stats["path"] == "vmap" and stats["shard_sizes"][0] == 16 and stats["shard_sizes"][-1] < 16
+    assert stats["path"] == "vmap" and stats["threads"] == 2
+    assert stats["shard_sizes"][0] == 8 and stats["shard_sizes"][-1] < 8
     assert max(r["steps"] for r in rows) > 2 * min(r["steps"] for r in rows)
     assert stats["run_steps"] == sum(r["steps"] for r in rows)
     assert stats["stepped_run_steps"] < 16 * max(r["steps"] for r in rows)
@@ -95,7 +98,7 @@ def test_sweep__compiles_once_per_shape(vmapped):
     assert stats["compiles"] == len(set(stats["shard_sizes"]))   # many chunks, one compile per shape
     again = {}
     other = sweep(TRACE, num_device_blocks=[10, 14, 24, 30], max_num_seqs=[5, 7],
-                  preemption_mode=["auto", "swap"], capacity=CAPACITY, vmap_runs=16, threads=1,
+                  preemption_mode=["auto", "swap"], capacity=CAPACITY, vmap_runs=16, threads=2,
                   progress=False, stats=again)
     # Other limits, same capacity: only batch shapes not seen before compile.
     assert again["compiles"] == len(set(again["shard_sizes"]) - set(stats["shard_sizes"]))
@@ -109,7 +112,7 @@ def test_sweep__auto_with_costs_that_always_favour_swap_equals_swap(vmapped, tmp
     PreemptionCosts(recompute_fixed=1e6, recompute_per_token=1.0, swap_per_block=1.0).to_json(path)
     stats = {}
     auto = sweep(TRACE, **dict(GRID, preemption_mode=["auto", "swap"]), capacity=CAPACITY, vmap_runs=16,
-                 threads=1, progress=False, preemption_costs=str(path), stats=stats)
+                 threads=2, progress=False, preemption_costs=str(path), stats=stats)
     assert stats["compiles"] == len(set(stats["shard_sizes"]) - set(vmapped[1]["shard_sizes"]))
     swap = [r for r in rows if r["preemption_mode"] == "swap"]
     assert [r["preemption_mode"] for r in auto[:8]] == ["auto"] * 8
@@ -123,7 +126,7 @@ def test_sweep__auto_with_costs_that_always_favour_swap_equals_swap(vmapped, tmp
 def test_sweep__runs_not_drained_within_max_steps_raise_like_simulate(vmapped):
     trace = dict(TRACE, config=dict(TRACE["config"], max_steps=150))
     with pytest.raises(RuntimeError, match=r"sweep: 14 of 16 runs unfinished after max_steps=150"):
-        sweep(trace, **GRID, capacity=CAPACITY, vmap_runs=16, threads=1, progress=False)
+        sweep(trace, **GRID, capacity=CAPACITY, vmap_runs=16, threads=2, progress=False)
     drained = [r for r in vmapped[0] if r["steps"] <= 150]
     assert len(drained) == 2                     # simulate finishes exactly these two in time
     config = dict(trace["config"], **{k: drained[0][k] for k in GRID})
@@ -142,17 +145,14 @@ def test_sweep__loop_over_runs_equals_vmap_and_unit_step_cost_counts_steps(vmapp
 
 
 def test_sweep__runs_split_over_threads_give_the_same_rows_in_grid_order(vmapped):
-    """3 shards of 16 runs: dealt out round-robin, the last shard padded with a drained run;
-    looped and vmapped (each shard its own vmap, compacted as its runs drain)."""
+    """3 shards of 16 runs on the looped path: dealt out round-robin, the last shard padded with
+    a drained run (the vmapped path on two threads is the fixture, checked against simulate)."""
     rows, _ = vmapped
     key = lambda rs: [{k: r[k] for k in (*GRID, *METRICS)} for r in rs]   # noqa: E731
-    threaded = sweep(TRACE, **GRID, capacity=CAPACITY, vmap_runs=1, threads=3, progress=False)
-    assert key(threaded) == key(rows)
     stats = {}
-    vmapped_threads = sweep(TRACE, **GRID, capacity=CAPACITY, vmap_runs=16, threads=2, progress=False,
-                            stats=stats)
-    assert stats["threads"] == 2 and stats["shard_sizes"][0] == 8 and len(stats["shard_sizes"]) > 1
-    assert key(vmapped_threads) == key(rows)
+    threaded = sweep(TRACE, **GRID, capacity=CAPACITY, vmap_runs=1, threads=3, progress=False, stats=stats)
+    assert stats["threads"] == 3 and stats["shard_sizes"] == [6]
+    assert key(threaded) == key(rows)
     with pytest.raises(SweepError, match="threads must be a positive integer"):
         sweep(TRACE, **GRID, capacity=CAPACITY, threads=0, progress=False)
 
@@ -235,7 +235,7 @@ def test_sweep__slot_doublings_restart_with_the_same_rows(vmapped, monkeypatch):
     rows, _ = vmapped
     monkeypatch.setattr(sweep_module, "sweep_capacity", lambda *a, **k: dict(CAPACITY, num_slots=8))
     stats = {}
-    doubled = sweep(TRACE, **GRID, vmap_runs=16, threads=1, progress=False, stats=stats)
+    doubled = sweep(TRACE, **GRID, vmap_runs=16, threads=2, progress=False, stats=stats)
     assert stats["num_slots"] > 8
     assert [{k: r[k] for k in (*GRID, *METRICS)} for r in doubled] == \
         [{k: r[k] for k in (*GRID, *METRICS)} for r in rows]
