@@ -21,27 +21,31 @@ def _random_value(field, shape, rng):
     return jnp.asarray(rng.integers(-2**31, 2**31, size=shape, dtype=np.int64).astype(np.int32))
 
 
-@pytest.mark.parametrize("slots", [4, 1024])
-def test_state__every_field_round_trips_and_replace_touches_only_its_fields(slots):
-    config = SchedulerConfig(num_slots=slots, max_model_len=256, num_device_blocks=64)
+@pytest.mark.parametrize("slots, caching", [(4, False), (1024, False), (4, True), (1024, True)])
+def test_state__every_field_round_trips_and_replace_touches_only_its_fields(slots, caching):
+    config = SchedulerConfig(num_slots=slots, max_model_len=256, num_device_blocks=64,
+                             enable_prefix_caching=caching)
     state = init_state(config)
     lay = layout(state.dims)
     assert len(state.data) == (3 if 4 * sum(lay["sizes"]) > ONE_LEAF_BYTES else 1) == len(lay["sizes"])
+    # The cache fields (SPEC A10) exist exactly when caching is compiled in.
+    assert state.caching == caching == all(f.name in lay for f in FIELDS)
+    FIELDS_HERE = [f for f in FIELDS if f.name in lay]
     rng = np.random.default_rng(slots)
-    values = {f.name: _random_value(f, lay[f.name][2], rng) for f in FIELDS}
+    values = {f.name: _random_value(f, lay[f.name][2], rng) for f in FIELDS_HERE}
     new = state.replace(**values)
-    for f in FIELDS:
+    for f in FIELDS_HERE:
         np.testing.assert_array_equal(new.get(f.name), values[f.name], err_msg=f.name)
     # Typed accessors read the same; limits come back as a Limits.
     np.testing.assert_array_equal(new.status, values["status"])
     assert set(new.limits.__dataclass_fields__) == set(LIMIT_FIELDS)
     one = new.replace(n=jnp.zeros_like(values["n"]))
-    for f in FIELDS:
+    for f in FIELDS_HERE:
         expect = np.zeros_like(values["n"]) if f.name == "n" else values[f.name]
         np.testing.assert_array_equal(one.get(f.name), expect, err_msg=f.name)
     # Packing from fields gives the same storage.
     fields = {k: v for k, v in values.items() if k not in LIMIT_FIELDS}
-    packed = SchedulerState.from_fields(**fields, limits=new.limits)
+    packed = SchedulerState.from_fields(**fields, limits=new.limits, key_bits=state.key_bits or 64)
     for a, b in zip(packed.data, new.data):
         np.testing.assert_array_equal(a, b)
     with pytest.raises(TypeError, match="unknown fields"):

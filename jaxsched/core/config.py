@@ -47,6 +47,9 @@ class Capacity:
       block_size: tokens per block.
       enable_chunked_prefill: chooses the walk order of SPEC A6 over A4.
       artificial_preemption: compiles the sequential running walk with random failures (A8).
+      enable_prefix_caching: SPEC A10; compiles the cached block pools (core/cached_step.py)
+        and their state fields in, off: neither exists.
+      prefix_key_bits: width of the cache keys (64; tests make it tiny to force collisions).
     """
     num_slots: int
     max_seqs_per_group: int
@@ -56,6 +59,8 @@ class Capacity:
     block_size: int
     enable_chunked_prefill: bool = False
     artificial_preemption: bool = False
+    enable_prefix_caching: bool = False
+    prefix_key_bits: int = 64
 
 
 def _require(cond: bool, field: str, message: str) -> None:
@@ -85,6 +90,10 @@ class SchedulerConfig:
       max_seqs_per_group: capacity for `n` (default 4).
       max_blocks_per_seq: block-table width (default: enough for max_model_len + 1 tokens).
       artificial_preemption: SPEC A8 test switch; `artificial_preemption_count` failures.
+      enable_prefix_caching: SPEC A10, vLLM's automatic prefix caching (static: a capacity
+        field; off compiles exactly the uncached scheduler).
+      prefix_key_bits: width of the cache keys, 1..64 (64 is vLLM's width; tests make it tiny
+        to force collisions, which make wrong shares as in vLLM).
       seed: PRNG seed for artificial preemption.
       num_device_blocks_capacity / num_host_blocks_capacity: pool sizes when a sweep wants
         room for more blocks than this run uses (default: the same numbers).
@@ -108,6 +117,8 @@ class SchedulerConfig:
     seed: int = 0
     num_device_blocks_capacity: Optional[int] = None
     num_host_blocks_capacity: Optional[int] = None
+    enable_prefix_caching: bool = False
+    prefix_key_bits: int = 64
 
     def __post_init__(self):
         for name in ("block_size", "num_device_blocks", "max_num_seqs", "max_num_batched_tokens",
@@ -147,6 +158,10 @@ class SchedulerConfig:
             if cap is not None:
                 _require(isinstance(cap, int) and cap >= active, name,
                          f"must be an integer >= {active}, got {cap!r}")
+        _require(isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching",
+                 f"must be True or False, got {self.enable_prefix_caching!r}")
+        _require(isinstance(self.prefix_key_bits, int) and 1 <= self.prefix_key_bits <= 64,
+                 "prefix_key_bits", f"must be an integer in 1..64, got {self.prefix_key_bits!r}")
         _require(self.artificial_preemption_count >= 0, "artificial_preemption_count",
                  f"must be >= 0, got {self.artificial_preemption_count}")
 
@@ -174,4 +189,6 @@ class SchedulerConfig:
             block_size=self.block_size,
             enable_chunked_prefill=bool(self.enable_chunked_prefill),
             artificial_preemption=bool(self.artificial_preemption),
+            enable_prefix_caching=self.enable_prefix_caching,
+            prefix_key_bits=self.prefix_key_bits if self.enable_prefix_caching else 64,
         )

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jaxsched.core.block_pool import entry_valid
 from jaxsched.core.config import SchedulerConfig
@@ -24,6 +25,13 @@ CHECKS = (
     "the step respects max_num_batched_tokens",
     "the step respects max_num_seqs",
     "every scheduled group gets at least one token (no chunk <= 0)",
+    # SPEC A10, with prefix caching (always pass without):
+    "prefix cache: a key maps to at most one device block (in use or in the evictor)",
+    "prefix cache: a key maps to at most one host block (in use or in the evictor)",
+    "prefix cache: device blocks handed out in id order, never-used ones unreferenced and "
+    "uncached, free = never used + evictor",
+    "prefix cache: host blocks handed out in id order, never-used ones unreferenced and "
+    "uncached, free = never used + evictor",
 )
 
 
@@ -39,6 +47,29 @@ def _pool_checks(ref, table, mask, active):
     handed_out = (mask & ((table == 0) | (table > active))).any()
     bad_pool = (ref < 0).any() | ((ref != 0) & ~in_range).any() | handed_out
     return (expect != ref).any(), bad_pool
+
+
+def _cache_checks(pool) -> tuple[jax.Array, jax.Array]:
+    """(a key held by two findable blocks, bad bookkeeping) of a prefix_cache.PrefixPool.
+
+    The evictor is the used blocks with ref count 0, so "evictor blocks have ref count 0"
+    holds by construction; what can break is a block outside 1..num_used being referenced
+    or cached, num_used past the active blocks, or the free count (all ref-0 active blocks)
+    differing from never used + evictor."""
+    size = pool.ref_count.shape[0]
+    ids = jnp.arange(size)
+    used = (ids >= 1) & (ids <= pool.num_used)
+    findable = used & pool.cached
+    # Sort the findable keys (others after them) and compare neighbours.
+    rest, hi, lo = lax.sort(((~findable).astype(jnp.int32), pool.key[1], pool.key[0]), num_keys=3)
+    dup = ((rest[1:] == 0) & (rest[:-1] == 0) & (hi[1:] == hi[:-1]) & (lo[1:] == lo[:-1])).any()
+    active = (ids >= 1) & (ids <= pool.num_active)
+    free = (active & (pool.ref_count == 0)).sum()
+    evictor = (used & (pool.ref_count == 0)).sum()
+    bad = ((pool.num_used < 0) | (pool.num_used > pool.num_active)
+           | ((~used) & ((pool.ref_count != 0) | pool.cached)).any()
+           | (free != pool.num_active - pool.num_used + evictor))
+    return dup, bad
 
 
 def invariant_violations(state: SchedulerState, output=None) -> jax.Array:
@@ -70,8 +101,13 @@ def invariant_violations(state: SchedulerState, output=None) -> jax.Array:
         over_seqs = output.num_seqs.sum() > lim.max_num_seqs
         # vLLM can hand out chunks of 0 or fewer tokens after an overdraw (SPEC A6, B3).
         empty_chunk = (output.scheduled & (output.num_scheduled_tokens <= 0)).any()
+    no = jnp.asarray(False)
+    dev_dup, dev_bad, host_dup, host_bad = no, no, no, no
+    if state.caching:
+        dev_dup, dev_bad = _cache_checks(state.pool("dev"))
+        host_dup, host_bad = _cache_checks(state.pool("host"))
     return jnp.stack([dev_refs, host_refs, dev_pool, host_pool, one_state, computed, equal, cover,
-                      over_tokens, over_seqs, empty_chunk])
+                      over_tokens, over_seqs, empty_chunk, dev_dup, host_dup, dev_bad, host_bad])
 
 
 _violations = jax.jit(invariant_violations)

@@ -96,10 +96,30 @@ def block_keys(tokens: jax.Array, num_tokens: jax.Array, prompt_len: jax.Array,
     starts = jnp.arange(m, dtype=jnp.int32) * block_size
     _, keys = lax.scan(one_block, init, (toks, starts))          # [M, 2, ...]
     keys = jnp.moveaxis(keys, (0, 1), (-1, -2))                 # [..., 2, M]
-    lo_bits, hi_bits = min(width, 32), max(width - 32, 0)
-    mask = jnp.asarray([(1 << lo_bits) - 1, (1 << hi_bits) - 1], jnp.uint32)
-    keys = keys & mask[:, None]
+    keys = keys & key_mask(width)[:, None]
     return keys, starts < num_tokens[..., None]
+
+
+def key_mask(width: int) -> jax.Array:
+    """uint32[2]: the bits of each word a key of `width` bits keeps."""
+    lo_bits, hi_bits = min(width, 32), max(width - 32, 0)
+    return jnp.asarray([(1 << lo_bits) - 1, (1 << hi_bits) - 1], jnp.uint32)
+
+
+def extend_key(key: jax.Array, token: jax.Array, prompt_end: jax.Array,
+               width: int = 64) -> jax.Array:
+    """The key after one more token: uint32[..., 2] from a block's key (the stream so far).
+
+    `prompt_end` marks the first output token of a prompt that ended on a block boundary
+    (elsewhere the marker is already in the key of the prompt's partial last block, see
+    `block_keys`). Chained from the stored (possibly truncated) key, so at full width it
+    equals `block_keys` on the longer sequence; narrower, it is still a function of content.
+    """
+    a, b = key[..., 0], key[..., 1]
+    ma, mb = _absorb(a, b, jnp.uint32(_PROMPT_END))
+    a, b = jnp.where(prompt_end, ma, a), jnp.where(prompt_end, mb, b)
+    a, b = _absorb(a, b, token.astype(jnp.uint32))
+    return jnp.stack([a, b], axis=-1) & key_mask(width)
 
 
 # ----------------------------------------------------------------------------- the pool

@@ -7,12 +7,15 @@ Each is a pure, jitted function of the state with a padded batch or a slot mask.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import jax
 import jax.numpy as jnp
 from flax import struct
 from jax import lax
 
 from jaxsched.core import batching
+from jaxsched.core import prefix_cache
 from jaxsched.core.block_pool import add_refs, entry_valid, exclusive_cumsum
 from jaxsched.core.state import (ABORTED, EMPTY, FINISHED, IGNORE_NEVER_FITS, IGNORE_TOO_MANY_SEQS,
                             IGNORED, LENGTH_CAPPED, RUNNING, STOPPED, SWAPPED, WAITING,
@@ -30,6 +33,8 @@ class RequestBatch:
       n: int32[R]
       max_tokens: int32[R]
       arrival_time: float32[R]
+      prompt_tokens: int32[R, M * block_size] prompt token ids, zero-padded; only a state
+        with prefix caching reads them (and needs them), None otherwise
     """
     valid: jax.Array
     request_index: jax.Array
@@ -37,6 +42,7 @@ class RequestBatch:
     n: jax.Array
     max_tokens: jax.Array
     arrival_time: jax.Array
+    prompt_tokens: Optional[jax.Array] = None
 
 
 def make_batch(rows: list[dict], size: int) -> RequestBatch:
@@ -100,11 +106,21 @@ def _add_requests(state: SchedulerState, batch: RequestBatch) -> tuple[Scheduler
         num_blocks=put(state.num_blocks, 0),
         tail_key=state.tail_key + placed.sum(dtype=jnp.int32),
     )
+    if state.caching:
+        if batch.prompt_tokens is None:
+            raise ValueError("add_requests: a state with prefix caching needs the batch's "
+                             "prompt_tokens")
+        bs = batch.prompt_tokens.shape[-1] // width
+        keys, _ = prefix_cache.block_keys(batch.prompt_tokens, batch.prompt_len, batch.prompt_len,
+                                          bs, state.key_bits)                     # [R, 2, M]
+        state = state.replace(seq_key=put(state.seq_key, jnp.where(
+            first_seq[..., None, None], keys[:, None], jnp.uint32(0))))
     return state, slot
 
 
 def update_impl(state: SchedulerState, scheduled: jax.Array, num_scheduled_tokens: jax.Array,
-           is_prefill: jax.Array, stopped: jax.Array | None = None):
+           is_prefill: jax.Array, stopped: jax.Array | None = None,
+           sampled_tokens: jax.Array | None = None):
     """Apply one step's results: prefill progress, sampled tokens, forks, finishing (SPEC A9).
 
     A group samples when its step was a decode or its chunk completed the prompt; one token
@@ -112,6 +128,8 @@ def update_impl(state: SchedulerState, scheduled: jax.Array, num_scheduled_token
     sequence 0's block table and the blocks' reference counts go up (nothing is copied).
     `stopped` (bool[G, S]) marks sequences whose new token is EOS or a stop token that
     counts (the engine applies ignore_eos and min_tokens); None means never.
+    With prefix caching, `sampled_tokens` (int32[G, S]; None: token 1, as in trace replay)
+    extend each sequence's block keys, and finished sequences' blocks enter the evictor.
     Returns (state, sampled bool[G, S], finished bool[G]).
     """
     g, s, width = state.block_table.shape
@@ -143,6 +161,9 @@ def update_impl(state: SchedulerState, scheduled: jax.Array, num_scheduled_token
         device_ref = add_refs(device_ref, block_table, entry_valid(num_blocks, fin, width), -1)
         return (jnp.where(fin, 0, num_blocks), jnp.where(fin[..., None], 0, block_table), device_ref)
 
+    if state.caching:
+        return _update_cached(state, new_seq, fin, sampled, num_tokens, done, samples, alive,
+                              seq_reason, group_done, sampled_tokens)
     # NOTE: most steps neither fork nor finish a sequence; they skip the [G, S, M] table work.
     num_blocks, block_table, device_ref = batching.cond(
         (new_seq | fin).any(), tables, lambda: (state.num_blocks, state.block_table, state.device_ref),
@@ -151,6 +172,52 @@ def update_impl(state: SchedulerState, scheduled: jax.Array, num_scheduled_token
         prefill_done=done, forked=state.forked | samples, seq_alive=alive,
         seq_finish_reason=seq_reason, num_tokens=num_tokens, num_blocks=num_blocks,
         block_table=block_table, device_ref=device_ref,
+        status=jnp.where(group_done, FINISHED, state.status),
+        finish_reason=jnp.where(group_done, seq_reason.max(1), state.finish_reason),
+    )
+    return state, sampled, group_done
+
+
+def _update_cached(state: SchedulerState, new_seq, fin, sampled, num_tokens, done, samples, alive,
+                   seq_reason, group_done, sampled_tokens):
+    """`update_impl` with prefix caching (SPEC A10): a fork copies sequence 0's keys too, the
+    sampled token extends the key of the block it lands in, and finished sequences' blocks
+    are freed into the evictor (in slot order; vLLM frees in its output order, which only
+    the evictor's order can see)."""
+    g, s, width = state.block_table.shape
+    bs = state.limits.block_size
+    seq_key = jnp.where(new_seq[..., None, None], state.seq_key[:, :1], state.seq_key)
+    pos = num_tokens - sampled.astype(jnp.int32)             # where the sampled token lands
+    blk = pos // bs
+    starts_block = pos % bs == 0
+    base_at = jnp.clip(jnp.where(starts_block, blk - 1, blk), 0, width - 1)
+    base = jnp.take_along_axis(seq_key, base_at[..., None, None], axis=3)[..., 0]    # [G, S, 2]
+    token = jnp.ones((g, s), jnp.int32) if sampled_tokens is None else sampled_tokens
+    prompt_end = starts_block & (pos == state.prompt_len[:, None])
+    new_key = prefix_cache.extend_key(base, token, prompt_end, state.key_bits)
+    at = sampled[..., None, None] & (jnp.arange(width) == blk[..., None, None])
+    seq_key = jnp.where(at, new_key[..., None], seq_key)
+
+    def tables():
+        block_table = jnp.where(new_seq[..., None], state.block_table[:, :1], state.block_table)
+        num_blocks = jnp.where(new_seq, state.num_blocks[:, :1], state.num_blocks)
+        pool = state.pool("dev")
+        pool = pool._replace(ref_count=add_refs(pool.ref_count, block_table,
+                                                entry_valid(num_blocks, new_seq, width), 1))
+        pool = prefix_cache.free(pool, block_table.reshape(-1),
+                                 entry_valid(num_blocks, fin, width).reshape(-1))
+        return (jnp.where(fin, 0, num_blocks), jnp.where(fin[..., None], 0, block_table),
+                pool.ref_count, pool.evict_seq, pool.clock)
+
+    num_blocks, block_table, device_ref, evict_seq, clock = batching.cond(
+        (new_seq | fin).any(), tables,
+        lambda: (state.num_blocks, state.block_table, state.device_ref, state.dev_evict_seq,
+                 state.dev_clock), same=True)
+    state = state.replace(
+        prefill_done=done, forked=state.forked | samples, seq_alive=alive,
+        seq_finish_reason=seq_reason, num_tokens=num_tokens, num_blocks=num_blocks,
+        block_table=block_table, device_ref=device_ref, seq_key=seq_key,
+        dev_evict_seq=evict_seq, dev_clock=clock,
         status=jnp.where(group_done, FINISHED, state.status),
         finish_reason=jnp.where(group_done, seq_reason.max(1), state.finish_reason),
     )
@@ -180,6 +247,11 @@ def abort(state: SchedulerState, mask: jax.Array) -> SchedulerState:
     entries = entry_valid(state.num_blocks, state.seq_alive & live[:, None], width)
     on_device = entries & (state.status == RUNNING)[:, None, None]
     on_host = entries & (state.status == SWAPPED)[:, None, None]
+    if state.caching:          # SPEC A10: the blocks enter the evictors, keys kept
+        dev = prefix_cache.free(state.pool("dev"), state.block_table.reshape(-1), on_device.reshape(-1))
+        host = prefix_cache.free(state.pool("host"), state.host_table.reshape(-1), on_host.reshape(-1))
+        state = state.replace(dev_evict_seq=dev.evict_seq, dev_clock=dev.clock,
+                              host_evict_seq=host.evict_seq, host_clock=host.clock)
     return state.replace(
         device_ref=add_refs(state.device_ref, state.block_table, on_device, -1),
         host_ref=add_refs(state.host_ref, state.host_table, on_host, -1),

@@ -19,7 +19,8 @@ table, and `state.replace(field=...)` writes fields back:
                        than ONE_LEAF_BYTES, (int32[N0], int32[N1], int32[N2]): the same
                        without the tables and pools, block_table and host_table, then
                        device_ref and host_ref
-    dims: (G, S, M, D, H), static (pytree aux data)
+    dims: (G, S, M, D, H), static (pytree aux data); with prefix caching (SPEC A10)
+          (G, S, M, D, H, key bits) and the cache fields exist
 
 Floats are stored bit-cast (exact), bools as 0/1. Properties index from the end, so they
 also work on states stacked along leading axes (vmap).
@@ -38,6 +39,7 @@ from jax import lax
 
 from jaxsched.core.config import Capacity, SchedulerConfig
 from jaxsched.core.costs import FIELDS as COST_FIELDS
+from jaxsched.core.prefix_cache import NEVER_ACCESSED, PrefixPool
 
 class Status(enum.IntEnum):
     """Which queue holds a slot."""
@@ -138,11 +140,13 @@ class _Declared:
 class Field(_Declared):
     """One named field of the state: its shape over the dims (G, S, M, D, H; "2" a pair; ""
     a scalar), how it is stored in the int32 leaves, and what it means. Declared once in
-    SchedulerState's body; storage, encoders, the typed accessor and the docs follow."""
+    SchedulerState's body; storage, encoders, the typed accessor and the docs follow.
+    `cache` fields exist only in a state with prefix caching (SPEC A10) compiled in."""
     shape: str
     kind: str                 # "int32", "float32" (bit-cast), "bool" (0/1), "uint32" (bit-cast)
     doc: str
     name: str = ""
+    cache: bool = False
 
 
 # Which leaf holds each field, when the state is big enough to take three: the tables and
@@ -151,15 +155,19 @@ class Field(_Declared):
 # on 2 shared cores waiting for the other thread costs far more than the copy; three leaves
 # keep each one's rewrite under that at 1024 slots of 16-block tables. A small state stays
 # one leaf: each leaf crossing a jitted call costs a few microseconds.
-_LEAF_OF = {"block_table": 1, "host_table": 1, "device_ref": 2, "host_ref": 2}
+_LEAF_OF = {"block_table": 1, "host_table": 1, "seq_key": 1, "device_ref": 2, "host_ref": 2}
+_POOL_FIELDS = ("key", "cached", "last_access", "hashed", "evict_seq", "num_used", "clock")
+_LEAF_OF |= {f"{pool}_{f}": 2 for pool in ("dev", "host") for f in _POOL_FIELDS}
 ONE_LEAF_BYTES = 128 * 1024
 
 
 @functools.lru_cache(maxsize=None)
 def layout(dims: tuple) -> dict:
-    """name -> (leaf, offset, shape) for dims (G, S, M, D, H); plus "sizes" of the leaves."""
+    """name -> (leaf, offset, shape) for dims (G, S, M, D, H[, key bits]); plus "sizes" of
+    the leaves. The cache fields are laid out only with key bits (dims[5]) > 0."""
     sizes = dict(zip("GSMDH", dims), **{"2": 2})
-    shapes = {f.name: tuple(sizes[c] for c in f.shape) for f in FIELDS}
+    caching = len(dims) > 5 and bool(dims[5])
+    shapes = {f.name: tuple(sizes[c] for c in f.shape) for f in FIELDS if caching or not f.cache}
     split = 4 * sum(math.prod(shape) for shape in shapes.values()) > ONE_LEAF_BYTES
     out, offsets = {}, [0] * (3 if split else 1)
     for name, shape in shapes.items():
@@ -235,6 +243,28 @@ class SchedulerState:
     host_table = Field("GSM", "int32", "host block ids while SWAPPED, else 0")
     device_ref = Field("D", "int32", "references to each device block from block tables")
     host_ref = Field("H", "int32", "references to each host block from host tables")
+    # SPEC A10 (prefix caching), only with Capacity.enable_prefix_caching: the pools are
+    # prefix_cache.PrefixPools whose ref counts are device_ref and host_ref.
+    seq_key = Field("GS2M", "uint32", "content key of each block of each sequence (two words of "
+                    "the chained hash, prefix_cache.block_keys), kept up to date as tokens arrive",
+                    cache=True)
+    dev_key = Field("2D", "uint32", "key a device block was given (allocation, promotion)", cache=True)
+    dev_cached = Field("D", "bool", "the device block holds a content key (findable)", cache=True)
+    dev_last_access = Field("D", "float32", "`now` of the last step that scheduled the block; -1 "
+                            "never", cache=True)
+    dev_hashed = Field("D", "int32", "tokens the block's key covers (num_hashed_tokens)", cache=True)
+    dev_evict_seq = Field("D", "int32", "when the block entered the evictor (its order there)",
+                          cache=True)
+    dev_num_used = Field("", "int32", "device blocks 1..dev_num_used have been handed out", cache=True)
+    dev_clock = Field("", "int32", "the next dev_evict_seq", cache=True)
+    host_key = Field("2H", "uint32", "as dev_key, for the host pool", cache=True)
+    host_cached = Field("H", "bool", "as dev_cached, for the host pool", cache=True)
+    host_last_access = Field("H", "float32", "as dev_last_access (host blocks are never accessed)",
+                             cache=True)
+    host_hashed = Field("H", "int32", "as dev_hashed, for the host pool", cache=True)
+    host_evict_seq = Field("H", "int32", "as dev_evict_seq, for the host pool", cache=True)
+    host_num_used = Field("", "int32", "as dev_num_used, for the host pool", cache=True)
+    host_clock = Field("", "int32", "as dev_clock, for the host pool", cache=True)
 
     __slots__ = ("data", "dims")
 
@@ -250,8 +280,9 @@ class SchedulerState:
         return cls(tuple(leaves), dims)
 
     @classmethod
-    def from_fields(cls, **fields) -> SchedulerState:
-        """Pack named fields (every field of the class doc, `walk_order` optional)."""
+    def from_fields(cls, key_bits: int = 64, **fields) -> SchedulerState:
+        """Pack named fields (every field of the class doc, `walk_order` optional; the cache
+        fields too, or none of them). `key_bits`: the width of the cache keys."""
         fields = dict(fields)
         limits = fields.pop("limits")
         fields.update({f: getattr(limits, f) for f in LIMIT_FIELDS})
@@ -259,9 +290,12 @@ class SchedulerState:
         fields.setdefault("walk_order", jnp.arange(g, dtype=jnp.int32))
         dims = (g, fields["seq_alive"].shape[-1], fields["block_table"].shape[-1],
                 fields["device_ref"].shape[-1], fields["host_ref"].shape[-1])
+        if "seq_key" in fields:
+            dims += (key_bits,)
         lay = layout(dims)
         data = tuple(jnp.concatenate([encode(n, fields[n]).reshape(-1) for n in FIELD_NAMES
-                                      if lay[n][0] == leaf]) for leaf in range(len(lay["sizes"])))
+                                      if n in lay and lay[n][0] == leaf])
+                     for leaf in range(len(lay["sizes"])))
         return cls(data, dims)
 
     def stored(self, name: str) -> jax.Array:
@@ -284,15 +318,17 @@ class SchedulerState:
             limits = fields.pop("limits")
             fields.update({f: getattr(limits, f) for f in LIMIT_FIELDS})
         data = tuple(fields.pop("data", self.data))
-        unknown = set(fields) - set(FIELD_NAMES)
+        lay = layout(self.dims)
+        unknown = set(fields) - set(lay)
         if unknown:
             raise TypeError(f"SchedulerState.replace: unknown fields {sorted(unknown)}")
-        lay = layout(self.dims)
         new = list(data)
         for leaf in {lay[n][0] for n in fields}:
             old, lead = data[leaf], data[leaf].shape[:-1]
             parts, keep = [], None        # keep: (start, end) of a run of unchanged fields
             for name in FIELD_NAMES:
+                if name not in lay:
+                    continue
                 at, offset, shape = lay[name]
                 if at != leaf:
                     continue
@@ -312,11 +348,32 @@ class SchedulerState:
 
     def as_dict(self) -> dict:
         """Every named field, decoded (for debugging and tests)."""
-        names = [n for n in FIELD_NAMES if n not in LIMIT_FIELDS]
+        lay = layout(self.dims)
+        names = [n for n in FIELD_NAMES if n not in LIMIT_FIELDS and n in lay]
         return {n: self.get(n) for n in names} | {"limits": self.limits}
 
+    @property
+    def caching(self) -> bool:
+        """Prefix caching (SPEC A10) is compiled in: the cache fields exist (static)."""
+        return len(self.dims) > 5 and bool(self.dims[5])
+
+    @property
+    def key_bits(self) -> int:
+        """Width of the cache keys (static; 64 but in tests that force collisions)."""
+        return self.dims[5] if self.caching else 0
+
+    def pool(self, which: str) -> PrefixPool:
+        """The device ("dev") or host ("host") pool as a prefix_cache.PrefixPool."""
+        ref = self.device_ref if which == "dev" else self.host_ref
+        active = self.limits.num_device_blocks if which == "dev" else self.limits.num_host_blocks
+        f = lambda name: self.get(f"{which}_{name}")
+        return PrefixPool(key=f("key"), ref_count=ref, last_access=f("last_access"),
+                          num_hashed_tokens=f("hashed"), evict_seq=f("evict_seq"),
+                          cached=f("cached"), num_used=f("num_used"), num_active=active,
+                          clock=f("clock"))
+
     def __repr__(self):
-        g, s, m, d, h = self.dims
+        g, s, m, d, h = self.dims[:5]
         head = f"SchedulerState(slots={g}, seqs_per_group={s}, blocks_per_seq={m}, " \
                f"device_blocks={d - 1}, host_blocks={h - 1}"
         try:
@@ -342,6 +399,15 @@ class SchedulerState:
         return jnp.where(self.forked, self.num_live_seqs, self.n)
 
 
+def pool_fields(which: str, pool: PrefixPool) -> dict:
+    """`state.replace(**pool_fields(which, pool))` writes a pool back (its ref counts too)."""
+    ref = "device_ref" if which == "dev" else "host_ref"
+    return {ref: pool.ref_count, f"{which}_key": pool.key, f"{which}_cached": pool.cached,
+            f"{which}_last_access": pool.last_access, f"{which}_hashed": pool.num_hashed_tokens,
+            f"{which}_evict_seq": pool.evict_seq, f"{which}_num_used": pool.num_used,
+            f"{which}_clock": pool.clock}
+
+
 def _storage_order() -> tuple[Field, ...]:
     own = [v for v in vars(SchedulerState).values() if isinstance(v, Field)]
     at = [f.name for f in own].index("seq_alive")
@@ -353,8 +419,8 @@ FIELDS = _storage_order()
 FIELD_NAMES = tuple(f.name for f in FIELDS)
 _KIND = {f.name: f.kind for f in FIELDS}
 SchedulerState.__doc__ += "\n".join(
-    f"      {f.name}: {f.kind}[{', '.join(f.shape)}]  {f.doc}" for f in FIELDS
-    if f.name not in LIMIT_FIELDS) + "\n      limits: Limits\n"
+    f"      {f.name}: {f.kind}[{', '.join(f.shape)}]  {f.doc}" + ("  (caching only)" if f.cache else "")
+    for f in FIELDS if f.name not in LIMIT_FIELDS) + "\n      limits: Limits\n"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -490,7 +556,23 @@ def init_state(config: SchedulerConfig) -> SchedulerState:
         prev_admitted=jnp.asarray(False), rng=jax.random.PRNGKey(config.seed),
         artificial_count=jnp.asarray(config.artificial_preemption_count, jnp.int32),
         limits=make_limits(config),
+        **(_cache_fields(cap) if cap.enable_prefix_caching else {}),
+        key_bits=cap.prefix_key_bits,
     )
+
+
+def _cache_fields(cap: Capacity) -> dict:
+    """Empty cached pools (SPEC A10): nothing used, nothing cached, never accessed."""
+    out = {"seq_key": jnp.zeros((cap.num_slots, cap.max_seqs_per_group, 2, cap.max_blocks_per_seq),
+                                jnp.uint32)}
+    for which, size in (("dev", cap.num_device_blocks + 1), ("host", cap.num_host_blocks + 1)):
+        zeros = jnp.zeros((size,), jnp.int32)
+        out |= {f"{which}_key": jnp.zeros((2, size), jnp.uint32),
+                f"{which}_cached": jnp.zeros((size,), bool),
+                f"{which}_last_access": jnp.full((size,), NEVER_ACCESSED, jnp.float32),
+                f"{which}_hashed": zeros, f"{which}_evict_seq": zeros,
+                f"{which}_num_used": jnp.int32(0), f"{which}_clock": jnp.int32(0)}
+    return out
 
 
 def set_limits(state: SchedulerState, config: SchedulerConfig) -> SchedulerState:
