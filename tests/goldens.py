@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 GOLDEN_DIR = Path(__file__).resolve().parent / "data" / "golden"
-# Prefix caching (SPEC A10): only the reference scheduler implements it so far.
+# Prefix caching (SPEC A10): workloads whose config turns it on (both schedulers replay them).
 PREFIX = "prefix-"
-PREFIX_REASON = "the jitted scheduler has no prefix caching (SPEC A10) yet"
+PREFIX_REASON = "a prefix caching (SPEC A10) workload, left out of this test"
 FINAL_STATUSES = {"finished_length_capped", "finished_stopped", "finished_ignored",
                   "finished_aborted"}
 
@@ -36,7 +36,7 @@ def prefix_names() -> list[str]:
 
 def golden_cases(prefix_caching: bool = False) -> list:
     """Every golden workload as a pytest parameter; the prefix-caching ones marked skip
-    unless the replay implements prefix caching."""
+    unless `prefix_caching` asks for them."""
     return [pytest.param(n, marks=pytest.mark.skip(reason=PREFIX_REASON))
             if n.startswith(PREFIX) and not prefix_caching else n for n in _names()]
 

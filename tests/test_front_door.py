@@ -227,19 +227,19 @@ def test_simulate_cli__config_without_host_blocks_replays_and_bad_fields_exit_2(
         assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
 
 
-def test_simulate_cli__a_prefix_caching_trace_replays_on_the_reference_and_says_so(tmp_path):
-    """Until the jitted pool caches, `jaxsched simulate` replays a caching trace with the
-    reference scheduler (the one checked on the prefix-* goldens) instead of ignoring the flag."""
-    from goldens import GOLDEN_DIR
-    from jaxsched.sim.reference import simulate_reference
-    path = GOLDEN_DIR / "prefix-default-swap-t103.trace.json"
+def test_simulate_cli__a_prefix_caching_trace_replays_on_the_jitted_path_as_vllm_did(tmp_path):
+    """`jaxsched simulate` replays a caching trace on the jitted scheduler (SPEC A10), with
+    vLLM's decisions on a prefix-* golden, and no longer hands it to the reference."""
+    from goldens import GOLDEN_DIR, assert_replays_golden
+    name = "prefix-default-vllm-default-t001"
+    path = GOLDEN_DIR / f"{name}.trace.json"
     out = tmp_path / "out.json"
     done = subprocess.run([sys.executable, "-m", "jaxsched.entrypoints.cli", "simulate", str(path),
                            "--output", str(out), "--compilation-cache-dir", "off"],
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    assert "plain-Python reference scheduler" in done.stdout
-    assert json.loads(out.read_text()) == json.loads(json.dumps(simulate_reference(json.loads(path.read_text()))))
+    assert "reference" not in done.stdout
+    assert_replays_golden(name, json.loads(out.read_text()))
 
 
 # ----------------------------------------------------------------------------- CLI

@@ -25,10 +25,11 @@ GOLDEN_CAPACITY = dict(num_slots=64, max_seqs_per_group=4, max_blocks_per_seq=64
                        num_device_blocks_capacity=128, num_host_blocks_capacity=192)
 
 
-@pytest.mark.parametrize("name", golden_cases())
+@pytest.mark.parametrize("name", golden_cases(prefix_caching=True))
 def test_simulate__replays_golden(name):
     """vLLM's decisions where it has a record; where vLLM fails, every request served to the
-    end within the budget. Invariants checked after every step."""
+    end within the budget. Invariants checked after every step. The prefix-* goldens replay
+    with prefix caching on (their config says so), the others with it off."""
     trace = load(name)
     got = simulate(trace["config"], trace["requests"], capacity=GOLDEN_CAPACITY, check_invariants=True)
     assert_replays_golden(name, got, statuses={"finished_length_capped", "finished_ignored"})

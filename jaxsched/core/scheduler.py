@@ -68,8 +68,11 @@ def _no_walk(g: int) -> PrefixWalk:
     return PrefixWalk(jnp.zeros((g,), bool), jnp.zeros((g,), bool), jnp.zeros((g,), jnp.int32))
 
 
-def _admission(state, cap, d, q: Queues, free, token_left, seq_left):
-    """SPEC A4.2 / A6 admission walk over `waiting` (with B1's multi-sequence recomputes)."""
+def _admission(state, cap, d, q: Queues, free, token_left, seq_left, walk=None):
+    """SPEC A4.2 / A6 admission walk over `waiting` (with B1's multi-sequence recomputes).
+
+    `walk(order, *prefix_walk's arguments) -> (PrefixWalk, extra)` replaces `prefix_walk`
+    (prefix caching's sequential walk, core/cached_step.py); `extra` is returned last."""
     lim = state.limits
     order, m = q.walk(0), q.count[0]
     t = lambda x: jnp.take(x, order, axis=0)
@@ -93,16 +96,18 @@ def _admission(state, cap, d, q: Queues, free, token_left, seq_left):
         too_long = over & ~never & (jnp.arange(order.shape[0]) < first_fit)
     else:
         too_long = single & (total > jnp.minimum(lim.max_model_len, lim.max_num_batched_tokens))
-    walk = prefix_walk(never | too_long, test_need, footprint, total,
-                       multi | cap.enable_chunked_prefill, t(d.nmax), m,
-                       free, lim.watermark_blocks, token_left, seq_left)
-    served, skipped, chunk, too_long = q.to_slots(0, d.is_wait, *walk, too_long)
+    args = (never | too_long, test_need, footprint, total, multi | cap.enable_chunked_prefill,
+            t(d.nmax), m, free, lim.watermark_blocks, token_left, seq_left)
+    result, extra = (prefix_walk(*args), None) if walk is None else walk(order, *args)
+    served, skipped, chunk, too_long = q.to_slots(0, d.is_wait, *result, too_long)
     reason = jnp.where(too_long, IGNORE_PROMPT_TOO_LONG, IGNORE_NEVER_FITS)
-    return PrefixWalk(served, skipped, chunk), reason
+    out = PrefixWalk(served, skipped, chunk), reason
+    return out if walk is None else out + (extra,)
 
 
-def _swapped(state, cap, d, q: Queues, free, token_left, seq_left):
-    """SPEC A4.5 swapped walk (B2 frees ignored groups' host blocks; B5b chunks a long prefill)."""
+def _swapped(state, cap, d, q: Queues, free, token_left, seq_left, walk=None):
+    """SPEC A4.5 swapped walk (B2 frees ignored groups' host blocks; B5b chunks a long prefill).
+    `walk` as in `_admission`."""
     lim = state.limits
     order, m = q.walk(2), q.count[2]
     t = lambda x: jnp.take(x, order, axis=0)
@@ -110,10 +115,12 @@ def _swapped(state, cap, d, q: Queues, free, token_left, seq_left):
     tokens = t(jnp.where(d.in_prefill, d.rest, d.n_live))
     chunkable = t(d.in_prefill & (d.rest > lim.max_num_batched_tokens))
     append_h = jnp.where(d.is_swap, d.appends, 0)
-    walk = prefix_walk(lim.num_device_blocks - test_need < lim.watermark_blocks, test_need, t(d.held + append_h),
-                       tokens, chunkable, t(d.nmax), m, free,
-                       lim.watermark_blocks, token_left, seq_left)
-    return PrefixWalk(*q.to_slots(2, d.is_swap, *walk))
+    args = (lim.num_device_blocks - test_need < lim.watermark_blocks, test_need, t(d.held + append_h),
+            tokens, chunkable, t(d.nmax), m, free, lim.watermark_blocks, token_left, seq_left)
+    if walk is None:
+        return PrefixWalk(*q.to_slots(2, d.is_swap, *prefix_walk(*args)))
+    result, extra = walk(order, *args)
+    return PrefixWalk(*q.to_slots(2, d.is_swap, *result)), extra
 
 
 class Running(NamedTuple):
@@ -344,6 +351,9 @@ def schedule_impl(state: SchedulerState, cap: Capacity, now: jax.Array, steady_p
     lim = state.limits
     now = jnp.asarray(now, jnp.float32)
     free0 = num_free(state.device_ref, lim.num_device_blocks)
+    if cap.enable_prefix_caching:           # SPEC A10: the walks run group by group
+        from jaxsched.core.cached_step import general_cached
+        return general_cached(state, now, cap)
     if not steady_path or cap.artificial_preemption:
         return _general(state, now, cap, free0)
     b = _basics(state, cap)

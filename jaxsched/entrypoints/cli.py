@@ -46,16 +46,9 @@ def cmd_simulate(args) -> int:
         return 2
     enable_compilation_cache(args.compilation_cache_dir)
     try:
-        if trace.enable_prefix_caching:
-            # The jitted block pool has no prefix cache yet: the plain-Python reference
-            # scheduler (vLLM 0.5.3's cached allocator, checked on the prefix-* goldens) replays.
-            from jaxsched.sim.reference import simulate_reference
-            print("prefix caching: replayed by the plain-Python reference scheduler "
-                  "(jaxsched.sim.reference); the jitted scheduler does not cache yet")
-            result = simulate_reference(data)
-        else:
-            result = simulate(trace.scheduler_config, data["requests"], step_time=trace.step_time,
-                              max_steps=trace.max_steps)
+        # A trace with enable_prefix_caching replays on the jitted cached pools (SPEC A10).
+        result = simulate(trace.scheduler_config, data["requests"], step_time=trace.step_time,
+                          max_steps=trace.max_steps)
     except TraceError as e:
         print(f"jaxsched simulate: {e}", file=sys.stderr)
         return 2

@@ -119,7 +119,7 @@ def simulate(config: dict | SchedulerConfig, requests: list[dict], *, step_time:
             raise RuntimeError(f"simulate: {num_requests - finished} of {num_requests} requests "
                                f"unfinished after max_steps={trace.max_steps}")
         k = min(CHUNK_STEPS, trace.max_steps - step)
-        batches, times = _chunk_inputs(trace, arrivals, step, k, width)
+        batches, times = _chunk_inputs(trace, arrivals, step, k, width, cap)
         state, (rec, free, flags) = run_chunk(state, batches, times, cap=cap, check=check_invariants)
         rec, free, flags = np.asarray(rec), np.asarray(free), np.asarray(flags)
         if flags.any():
@@ -132,13 +132,21 @@ def simulate(config: dict | SchedulerConfig, requests: list[dict], *, step_time:
     return _report(trace, np.concatenate(records), np.concatenate(frees))
 
 
-def _chunk_inputs(trace: Trace, arrivals, start, k, width):
+def _chunk_inputs(trace: Trace, arrivals, start, k, width, cap: Capacity | None = None):
     cols = {f: np.zeros((k, width), np.int32) for f in ("request_index", "prompt_len", "n", "max_tokens")}
     valid = np.zeros((k, width), bool)
     arrival = np.zeros((k, width), np.float32)
+    # SPEC A10: prompt token ids (0 .. prompt_len - 1 where a request gives none), only read
+    # by a replay with prefix caching.
+    caching = cap is not None and cap.enable_prefix_caching
+    tokens = np.zeros((k, width, cap.max_blocks_per_seq * cap.block_size) if caching else (0,), np.int32)
     for i in range(k):
         for j, idx in enumerate(arrivals.get(start + i, [])):
             r = trace.requests[idx]
+            if caching:
+                ids = r.get("prompt_token_ids", range(r["prompt_len"]))
+                ids = np.asarray(ids, np.int32)[:tokens.shape[-1]]
+                tokens[i, j, :len(ids)] = ids
             valid[i, j] = True
             cols["request_index"][i, j] = idx
             cols["prompt_len"][i, j] = r["prompt_len"]
@@ -146,6 +154,7 @@ def _chunk_inputs(trace: Trace, arrivals, start, k, width):
             cols["max_tokens"][i, j] = r["max_tokens"]
             arrival[i, j] = (start + i) * trace.step_time
     batch = RequestBatch(valid=jnp.asarray(valid), arrival_time=jnp.asarray(arrival),
+                         prompt_tokens=jnp.asarray(tokens) if caching else None,
                          **{f: jnp.asarray(v) for f, v in cols.items()})
     times = jnp.asarray(np.arange(start, start + k, dtype=np.float32) * trace.step_time)
     return batch, times

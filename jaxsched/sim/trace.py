@@ -14,11 +14,10 @@ from jaxsched.core.config import SchedulerConfig
 TRACE_CONFIG_KEYS = ("block_size", "num_device_blocks", "num_host_blocks", "max_num_seqs",
                      "max_num_batched_tokens", "max_model_len", "enable_chunked_prefill",
                      "preemption_mode", "delay_factor", "watermark")
-# A trace's config: SchedulerConfig's fields, plus how the replay runs, plus SPEC A10's
-# switch (read by the reference scheduler; the jitted scheduler has no prefix caching yet).
+# A trace's config: SchedulerConfig's fields (SPEC A10's enable_prefix_caching among them),
+# plus how the replay runs.
 REPLAY_KEYS = ("step_time", "max_steps")
-CONFIG_KEYS = ({f.name for f in dataclasses.fields(SchedulerConfig)} | set(REPLAY_KEYS)
-               | {"enable_prefix_caching"})
+CONFIG_KEYS = {f.name for f in dataclasses.fields(SchedulerConfig)} | set(REPLAY_KEYS)
 # `prompt_token_ids` is optional: without it a prompt is the ids 0 .. prompt_len - 1 (A10).
 REQUEST_KEYS = {"id", "arrival_step", "prompt_len", "max_tokens", "n", "prompt_token_ids"}
 MAX_TOKEN_ID = 2**31 - 1
@@ -44,7 +43,11 @@ class Trace:
     requests: list[dict]
     step_time: float
     max_steps: int
-    enable_prefix_caching: bool = False  # SPEC A10
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        """SPEC A10 (the config's switch)."""
+        return self.scheduler_config.enable_prefix_caching
 
     def arrivals_by_step(self) -> dict[int, list[int]]:
         out = defaultdict(list)
@@ -64,12 +67,12 @@ def _int_field(where: str, key: str, value, minimum: int, maximum: int | None = 
 
 
 def _parse_config(config: dict, step_time: float,
-                  max_steps: int) -> tuple[SchedulerConfig, float, int, bool]:
+                  max_steps: int) -> tuple[SchedulerConfig, float, int]:
     unknown = set(config) - CONFIG_KEYS
     if unknown:
         raise TraceError(f"config: unknown key {sorted(unknown, key=str)[0]!r}")
     config = dict(config)
-    caching = config.pop("enable_prefix_caching", False)
+    caching = config.get("enable_prefix_caching", False)
     if not isinstance(caching, bool):
         raise TraceError(f"config: field 'enable_prefix_caching' must be true or false, "
                          f"got {caching!r}")
@@ -96,7 +99,7 @@ def _parse_config(config: dict, step_time: float,
         cfg = SchedulerConfig(**config)
     except (TypeError, ValueError, KeyError, AttributeError, OverflowError) as e:
         raise TraceError(f"config: {e}") from None
-    return cfg, float(step_time), max_steps, caching
+    return cfg, float(step_time), max_steps
 
 
 def _prompt_token_ids(where: str, ids, prompt_len: int) -> list[int]:
@@ -121,7 +124,6 @@ def parse_trace(data: dict, *, step_time: float = 1.0, max_steps: int = 100_000)
     if unknown:
         raise TraceError(f"trace: unknown key {sorted(unknown)[0]!r} (expected 'config', 'requests')")
     config = data.get("config", {})
-    caching = False
     if isinstance(config, SchedulerConfig):
         cfg = config
         if isinstance(step_time, bool) or not isinstance(step_time, (int, float)) or not step_time > 0:
@@ -129,7 +131,7 @@ def parse_trace(data: dict, *, step_time: float = 1.0, max_steps: int = 100_000)
     else:
         if not isinstance(config, dict):
             raise TraceError("trace: 'config' must be an object")
-        cfg, step_time, max_steps, caching = _parse_config(config, step_time, max_steps)
+        cfg, step_time, max_steps = _parse_config(config, step_time, max_steps)
     requests = data.get("requests")
     if not isinstance(requests, list):
         raise TraceError("trace: 'requests' must be a list")
@@ -160,7 +162,7 @@ def parse_trace(data: dict, *, step_time: float = 1.0, max_steps: int = 100_000)
         if "prompt_token_ids" in row:
             _prompt_token_ids(where, row["prompt_token_ids"], row["prompt_len"])
         out.append(row)
-    return Trace(cfg, out, step_time, max_steps, caching)
+    return Trace(cfg, out, step_time, max_steps)
 
 
 def load_trace(path: str | Path) -> dict:
