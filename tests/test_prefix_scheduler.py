@@ -7,7 +7,7 @@ import random
 import pytest
 
 from jaxsched.sim.reference import simulate_reference
-from jaxsched.sim.simulate import simulate, summarize
+from jaxsched.sim.simulate import run_chunk, simulate, summarize
 from goldens import assert_replays_golden, assert_same_steps, load
 
 # One capacity for every workload here (pool sizes and modes are per-run limits).
@@ -39,13 +39,17 @@ def shared_prefix_trace(seed: int, chunked: bool, mode) -> dict:
 @pytest.mark.parametrize("chunked", [False, True])
 def test_cached_scheduler__decides_as_the_reference_on_shared_prefixes(chunked):
     """Step by step the reference's decisions and free counts, in every preemption mode;
-    invariants (the cache's among them) after every step."""
+    invariants (the cache's among them) after every step. One compile serves every
+    workload (pool sizes and modes are limits)."""
+    compiled = None
     # Seeds whose workloads preempt (and, but for "recompute", swap) in both modes.
     for seed, mode in [(0, None), (1, "recompute"), (4, "swap"), (3, "auto")]:
         trace = shared_prefix_trace(seed, chunked, mode)
         got = simulate(trace["config"], trace["requests"], capacity=CAPACITY, check_invariants=True)
         got.pop("ignored_reasons")
         assert_same_steps(got, simulate_reference(trace))
+        compiled = compiled or run_chunk._cache_size()
+    assert run_chunk._cache_size() == compiled
 
 
 def test_cached_scheduler__tiny_keys_collide_and_every_invariant_still_holds():
