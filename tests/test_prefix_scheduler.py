@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import random
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
-from jaxsched.sim.reference import simulate_reference
+from jaxsched import SchedulerConfig, add_requests, free_finished, init_state, make_batch, schedule_step, update
+from jaxsched.sim.reference import ReferenceScheduler, simulate_reference
+from jaxsched.sim.reference import SchedulerConfig as ReferenceConfig
 from jaxsched.sim.simulate import run_chunk, simulate, summarize
 from goldens import assert_replays_golden, assert_same_steps, load
 
@@ -68,3 +72,65 @@ def test_cached_scheduler__tiny_keys_collide_and_every_invariant_still_holds():
     assert all(r["status"] == "finished_length_capped" for r in tiny["requests"].values())
     peak = lambda result: summarize(result, trace["config"])["peak_device_blocks_used"]
     assert peak(tiny) < peak(full)
+
+
+def _pool_view(state, which: str) -> dict:
+    """The jitted pool in the reference's terms: ids shifted down by one."""
+    pool = state.pool(which)
+    used = int(pool.num_used)
+    ref = np.asarray(pool.ref_count)[1:used + 1]
+    seq = np.asarray(pool.evict_seq)[1:used + 1]
+    evictor = [int(b) for b in np.argsort(np.where(ref == 0, seq, np.iinfo(np.int32).max),
+                                          kind="stable")[:int((ref == 0).sum())]]
+    return {"num_used": used, "ref_count": ref.tolist(), "evictor": evictor,
+            "last_access": np.asarray(pool.last_access)[1:used + 1].tolist(),
+            "hashed": np.asarray(pool.num_hashed_tokens)[1:used + 1].tolist(),
+            "cached": np.asarray(pool.cached)[1:used + 1].tolist()}
+
+
+def _reference_view(pool) -> dict:
+    used = pool.num_used
+    return {"num_used": used, "ref_count": pool.ref_count[:used], "evictor": list(pool.evictor.values()),
+            "last_access": pool.last_accessed[:used], "hashed": pool.num_hashed_tokens[:used],
+            "cached": [isinstance(k, tuple) for k in pool.key[:used]]}
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_cached_pools__block_for_block_the_reference_pools_without_swaps(chunked):
+    """Stepped beside the reference (recompute mode, so no swap), the device pool holds the
+    same blocks after every step: reference counts, the evictor's order, access times,
+    tokens covered and which blocks hold a content key."""
+    trace = shared_prefix_trace(1, chunked, "recompute")
+    config = SchedulerConfig(**{k: v for k, v in trace["config"].items()
+                                if k not in ("step_time", "max_steps")}, **CAPACITY)
+    cap = config.capacity()
+    width = cap.max_blocks_per_seq * cap.block_size
+    reference = ReferenceScheduler(ReferenceConfig.from_dict(trace["config"]))
+    state = init_state(config)
+    reqs = trace["requests"]
+    finished, max_evictor, full_pool = 0, 0, False
+    for step in range(200):
+        arriving = [i for i, r in enumerate(reqs) if r["arrival_step"] == step]
+        for i in arriving:
+            r = reqs[i]
+            reference.add_request(r["id"], r["prompt_len"], r["max_tokens"], r["n"], float(step),
+                                  r["prompt_token_ids"])
+        rows = [dict(request_index=i, prompt_len=reqs[i]["prompt_len"], n=reqs[i]["n"],
+                     max_tokens=reqs[i]["max_tokens"], arrival_time=float(step)) for i in arriving]
+        tokens = np.zeros((8, width), np.int32)
+        for j, i in enumerate(arriving):
+            tokens[j, :reqs[i]["prompt_len"]] = reqs[i]["prompt_token_ids"]
+        state, _ = add_requests(state, make_batch(rows, 8).replace(prompt_tokens=jnp.asarray(tokens)))
+        state, out = schedule_step(state, cap, float(step))
+        state, _, _ = update(state, out.scheduled, out.num_scheduled_tokens, out.is_prefill)
+        state, _ = free_finished(state)
+        finished += len(reference.process_outputs(reference.schedule(float(step)), step))
+        assert _pool_view(state, "dev") == _reference_view(reference.block_manager.device), f"step {step}"
+        device = reference.block_manager.device
+        max_evictor = max(max_evictor, len(device.evictor))
+        full_pool |= device.num_used == device.num_blocks and bool(device.evictor)
+        if finished == len(reqs):
+            break
+    assert finished == len(reqs)
+    # The evictor was used, and blocks came out of it once nothing was left unused.
+    assert max_evictor >= 4 and full_pool

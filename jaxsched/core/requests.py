@@ -163,7 +163,7 @@ def update_impl(state: SchedulerState, scheduled: jax.Array, num_scheduled_token
 
     if state.caching:
         return _update_cached(state, new_seq, fin, sampled, num_tokens, done, samples, alive,
-                              seq_reason, group_done, sampled_tokens)
+                              seq_reason, group_done, sampled_tokens, is_prefill)
     # NOTE: most steps neither fork nor finish a sequence; they skip the [G, S, M] table work.
     num_blocks, block_table, device_ref = batching.cond(
         (new_seq | fin).any(), tables, lambda: (state.num_blocks, state.block_table, state.device_ref),
@@ -179,11 +179,16 @@ def update_impl(state: SchedulerState, scheduled: jax.Array, num_scheduled_token
 
 
 def _update_cached(state: SchedulerState, new_seq, fin, sampled, num_tokens, done, samples, alive,
-                   seq_reason, group_done, sampled_tokens):
+                   seq_reason, group_done, sampled_tokens, is_prefill):
     """`update_impl` with prefix caching (SPEC A10): a fork copies sequence 0's keys too, the
     sampled token extends the key of the block it lands in, and finished sequences' blocks
-    are freed into the evictor (in slot order; vLLM frees in its output order, which only
-    the evictor's order can see)."""
+    are freed into the evictor in vLLM's output order (the evictor's order).
+
+    NOTE: vLLM processes outputs as new prefills, running prefills, swapped-in prefills,
+    running decodes, swapped-in decodes, each in walk order. `schedule` requeued the scheduled
+    groups as admitted, running decodes, running prefills, swapped-in decodes, swapped-in
+    prefills (SPEC B8), each in walk order; so prefills by queue key, then decodes by queue
+    key, is vLLM's order. Within a group: sequence by sequence, in block-table order."""
     g, s, width = state.block_table.shape
     bs = state.limits.block_size
     seq_key = jnp.where(new_seq[..., None, None], state.seq_key[:, :1], state.seq_key)
@@ -204,8 +209,9 @@ def _update_cached(state: SchedulerState, new_seq, fin, sampled, num_tokens, don
         pool = state.pool("dev")
         pool = pool._replace(ref_count=add_refs(pool.ref_count, block_table,
                                                 entry_valid(num_blocks, new_seq, width), 1))
-        pool = prefix_cache.free(pool, block_table.reshape(-1),
-                                 entry_valid(num_blocks, fin, width).reshape(-1))
+        order = jnp.lexsort((state.queue_key, jnp.where(is_prefill, 0, 1)))
+        freed = entry_valid(num_blocks, fin, width)
+        pool = prefix_cache.free(pool, block_table[order].reshape(-1), freed[order].reshape(-1))
         return (jnp.where(fin, 0, num_blocks), jnp.where(fin[..., None], 0, block_table),
                 pool.ref_count, pool.evict_seq, pool.clock)
 
