@@ -7,12 +7,14 @@ import random
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jaxsched import SchedulerConfig, add_requests, free_finished, init_state, make_batch, schedule_step, update
 from jaxsched.sim.reference import ReferenceScheduler, simulate_reference
 from jaxsched.sim.reference import SchedulerConfig as ReferenceConfig
-from jaxsched.sim.simulate import run_chunk, simulate, summarize
-from goldens import assert_replays_golden, assert_same_steps, load
+from jaxsched.sim.simulate import run_chunk, simulate
+from goldens import assert_same_steps
 
 # One capacity for every workload here (pool sizes and modes are per-run limits).
 CAPACITY = dict(num_slots=16, max_seqs_per_group=2, max_blocks_per_seq=16,
@@ -60,17 +62,15 @@ def test_cached_scheduler__tiny_keys_collide_and_every_invariant_still_holds():
     """With 3-bit keys different prefixes share blocks (a wrong share, as a collision is in
     vLLM), so fewer blocks are used than with full keys; every invariant holds at every step
     and every request finishes."""
-    name = "prefix-default-swap-t103"
-    trace = load(name)
-    capacity = dict(num_slots=64, max_seqs_per_group=4, max_blocks_per_seq=64,
-                    num_device_blocks_capacity=128, num_host_blocks_capacity=192)
-    full = simulate(trace["config"], trace["requests"], capacity=capacity)
-    assert_replays_golden(name, full)
-    tiny = simulate(trace["config"], trace["requests"], capacity=dict(capacity, prefix_key_bits=3),
+    trace = shared_prefix_trace(4, False, "swap")
+    config, requests = trace["config"], trace["requests"]
+    full = simulate(config, requests, capacity=CAPACITY, check_invariants=True)
+    tiny = simulate(config, requests, capacity=dict(CAPACITY, prefix_key_bits=3),
                     check_invariants=True)
-    assert set(tiny["requests"]) == set(full["requests"])
+    assert set(tiny["requests"]) == set(full["requests"]) == {r["id"] for r in requests}
     assert all(r["status"] == "finished_length_capped" for r in tiny["requests"].values())
-    peak = lambda result: summarize(result, trace["config"])["peak_device_blocks_used"]
+    peak = lambda result: max(config["num_device_blocks"] - s["num_free_device_blocks"]
+                              for s in result["steps"])
     assert peak(tiny) < peak(full)
 
 
@@ -134,3 +134,15 @@ def test_cached_pools__block_for_block_the_reference_pools_without_swaps(chunked
     assert finished == len(reqs)
     # The evictor was used, and blocks came out of it once nothing was left unused.
     assert max_evictor >= 4 and full_pool
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**20), chunked=st.booleans(),
+       mode=st.sampled_from([None, "recompute", "swap", "auto"]))
+def test_cached_scheduler__drawn_shared_prefix_workloads_decide_as_the_reference(seed, chunked, mode):
+    """Drawn workloads (shared system prompts, repeated prompts, n <= 2, tiny pools, every
+    mode): the reference's decisions at every step and every invariant after every step."""
+    trace = shared_prefix_trace(seed, chunked, mode)
+    got = simulate(trace["config"], trace["requests"], capacity=CAPACITY, check_invariants=True)
+    got.pop("ignored_reasons")
+    assert_same_steps(got, simulate_reference(trace))
