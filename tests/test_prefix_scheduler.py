@@ -95,12 +95,15 @@ def _reference_view(pool) -> dict:
             "cached": [isinstance(k, tuple) for k in pool.key[:used]]}
 
 
-@pytest.mark.parametrize("chunked", [False, True])
-def test_cached_pools__block_for_block_the_reference_pools_without_swaps(chunked):
-    """Stepped beside the reference (recompute mode, so no swap), the device pool holds the
-    same blocks after every step: reference counts, the evictor's order, access times,
-    tokens covered and which blocks hold a content key."""
-    trace = shared_prefix_trace(1, chunked, "recompute")
+# The swap seeds swap in unkeyed blocks that the reference takes back from the evictor.
+@pytest.mark.parametrize("chunked, seed, mode", [(False, 1, "recompute"), (True, 1, "recompute"),
+                                                 (False, 0, "swap"), (True, 3, "swap"),
+                                                 (True, 0, None)])
+def test_cached_pools__block_for_block_the_reference_pools(chunked, seed, mode):
+    """Stepped beside the reference, both pools hold the same blocks after every step:
+    reference counts, the evictor's order, access times, tokens covered and which blocks
+    hold a content key (swaps included: an unkeyed block keeps its identity)."""
+    trace = shared_prefix_trace(seed, chunked, mode)
     config = SchedulerConfig(**{k: v for k, v in trace["config"].items()
                                 if k not in ("step_time", "max_steps")}, **CAPACITY)
     cap = config.capacity()
@@ -126,6 +129,7 @@ def test_cached_pools__block_for_block_the_reference_pools_without_swaps(chunked
         state, _ = free_finished(state)
         finished += len(reference.process_outputs(reference.schedule(float(step)), step))
         assert _pool_view(state, "dev") == _reference_view(reference.block_manager.device), f"step {step}"
+        assert _pool_view(state, "host") == _reference_view(reference.block_manager.host), f"step {step}"
         device = reference.block_manager.device
         max_evictor = max(max_evictor, len(device.evictor))
         full_pool |= device.num_used == device.num_blocks and bool(device.evictor)

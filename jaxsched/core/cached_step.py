@@ -64,14 +64,15 @@ def _push_pairs(ctx: Ctx, row: int, src, dst, mask) -> Ctx:
     return ctx._replace(pairs=pairs, counts=ctx.counts.at[row].add(mask.sum(dtype=jnp.int32)))
 
 
-def _allocate(pool, keys, keyed, hashed, valid):
+def _allocate(pool, keys, keyed, hashed, valid, by_id=None):
     """allocate_cached for the valid entries (flat order) of a [K] list; 0 where invalid."""
     k = valid.shape[0]
     rank = jnp.where(valid, mask_rank(valid), k)
     src = jnp.clip(jnp.full((k,), k, jnp.int32).at[rank].set(jnp.arange(k, dtype=jnp.int32),
                                                               mode="drop"), 0, k - 1)
     pool, got, _ = pc.allocate_cached(pool, keys[:, src], keyed[src], hashed[src],
-                                      valid.sum(dtype=jnp.int32))
+                                      valid.sum(dtype=jnp.int32),
+                                      None if by_id is None else by_id[src])
     return pool, jnp.where(valid, got[jnp.clip(rank, 0, k - 1)], 0)
 
 
@@ -97,14 +98,15 @@ def admit(ctx: Ctx, st: Step, g) -> Ctx:
 
 def _move(src: pc.PrefixPool, dst: pc.PrefixPool, table, valid):
     """Move a group's blocks (table [S, M]) between pools, keys kept: each distinct block is
-    allocated in `dst` by its key (sharing or taking back what `dst` holds), then every
-    source entry is freed. Returns (src, dst, new table, first-holder mask)."""
+    allocated in `dst` by its key (sharing or taking back what `dst` holds; an unkeyed block
+    by its identity), then every source entry is freed. Returns (src, dst, new table,
+    first-holder mask)."""
     s, width = table.shape
     holder, is_first = first_holder(table[None], valid[None])
     holder, is_first = holder[0], is_first[0] & valid
     ids = jnp.clip(table.reshape(-1), 0, src.ref_count.shape[0] - 1)
     dst, fresh = _allocate(dst, src.key[:, ids], src.cached[ids], src.num_hashed_tokens[ids],
-                           is_first.reshape(-1))
+                           is_first.reshape(-1), ~src.cached[ids])
     mapped = jnp.where(valid, jnp.take_along_axis(fresh.reshape(s, width), holder, axis=0), 0)
     dst = dst._replace(ref_count=add_refs(dst.ref_count, mapped, valid & ~is_first, 1))
     src = pc.free(src, table.reshape(-1), valid.reshape(-1))

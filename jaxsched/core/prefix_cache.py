@@ -256,7 +256,7 @@ def evict_order(pool: PrefixPool) -> jax.Array:
 
 
 def allocate_cached(pool: PrefixPool, keys: jax.Array, keyed: jax.Array,
-                    num_hashed_tokens: jax.Array, count: jax.Array
+                    num_hashed_tokens: jax.Array, count: jax.Array, by_id: jax.Array | None = None
                     ) -> tuple[PrefixPool, jax.Array, jax.Array]:
     """vLLM's CachedBlockAllocator.allocate for entries 0..count-1, in order.
 
@@ -267,6 +267,12 @@ def allocate_cached(pool: PrefixPool, keys: jax.Array, keyed: jax.Array,
     Returns (pool, blocks int32[K] padded with D, ok): ok is False if some entry found no
     free block (callers check the free count first; such an entry gets D).
 
+    An unkeyed block gets an identity instead of a content key, (its id, its evict_seq),
+    unique among blocks (vLLM: a fresh integer key), and stays uncached. `by_id[j]` (for
+    swaps of unkeyed blocks) looks `keys[:, j]` up as such an identity among uncached blocks
+    and gives it to a fresh block: vLLM passes the integer key along, so a swap-in takes the
+    device block it left in the evictor back, as a content key would.
+
     NOTE: a scan over entries, not a ranking: an eviction may take the very block a later
     entry's key would have hit, so later entries depend on earlier ones.
     """
@@ -276,10 +282,11 @@ def allocate_cached(pool: PrefixPool, keys: jax.Array, keyed: jax.Array,
 
     def one(carry, xs):
         ref, key, cached, nht, num_used = carry
-        k, is_keyed, tokens, j = xs
+        k, is_keyed, is_id, tokens, j = xs
         valid = j < count
         used = (ids >= 1) & (ids <= num_used)
-        match = used & cached & (key[0] == k[0]) & (key[1] == k[1]) & is_keyed
+        match = (used & (cached == is_keyed) & (key[0] == k[0]) & (key[1] == k[1])
+                 & (is_keyed | is_id))
         hit = match.any()
         at, can_evict = _walk((used & (ref == 0))[order], last, nht[order])
         never = num_used < pool.num_active
@@ -287,14 +294,16 @@ def allocate_cached(pool: PrefixPool, keys: jax.Array, keyed: jax.Array,
         ok = hit | never | can_evict
         block = jnp.where(valid & ok, jnp.where(hit, jnp.argmax(match), fresh), size)
         new = jnp.where(valid & ok & ~hit, block, size)
-        key = key.at[:, new].set(jnp.where(is_keyed, k, 0), mode="drop")
+        identity = jnp.stack([block, pool.evict_seq[jnp.minimum(block, size - 1)]]).astype(jnp.uint32)
+        key = key.at[:, new].set(jnp.where(is_keyed | is_id, k, identity), mode="drop")
         cached = cached.at[new].set(is_keyed, mode="drop")
         nht = nht.at[new].set(tokens, mode="drop")
         num_used = num_used + (valid & ~hit & never)
         return (ref.at[block].add(1, mode="drop"), key, cached, nht, num_used), (block, ok | ~valid)
 
     init = (pool.ref_count, pool.key, pool.cached, pool.num_hashed_tokens, pool.num_used)
-    xs = (keys.T, keyed, num_hashed_tokens, jnp.arange(keys.shape[1]))
+    by_id = jnp.zeros_like(keyed) if by_id is None else by_id & ~keyed
+    xs = (keys.T, keyed, by_id, num_hashed_tokens, jnp.arange(keys.shape[1]))
     (ref, key, cached, nht, num_used), (blocks, oks) = lax.scan(one, init, xs)
     pool = pool._replace(ref_count=ref, key=key, cached=cached, num_hashed_tokens=nht,
                          num_used=num_used)
