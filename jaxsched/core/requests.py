@@ -153,36 +153,41 @@ def update_impl(state: SchedulerState, scheduled: jax.Array, num_scheduled_token
     group_done = samples & ~alive.any(1)
     seq_reason = jnp.where(fin, reason, state.seq_finish_reason)
 
+    def forked():
+        """Tables with each new sequence's copied from sequence 0 (its blocks shared)."""
+        return (jnp.where(new_seq[..., None], state.block_table[:, :1], state.block_table),
+                jnp.where(new_seq, state.num_blocks[:, :1], state.num_blocks))
+
     def tables():
         """Block tables and reference counts of forked and finished sequences."""
-        block_table = jnp.where(new_seq[..., None], state.block_table[:, :1], state.block_table)
-        num_blocks = jnp.where(new_seq, state.num_blocks[:, :1], state.num_blocks)
+        block_table, num_blocks = forked()
         device_ref = add_refs(state.device_ref, block_table, entry_valid(num_blocks, new_seq, width), 1)
         device_ref = add_refs(device_ref, block_table, entry_valid(num_blocks, fin, width), -1)
-        return (jnp.where(fin, 0, num_blocks), jnp.where(fin[..., None], 0, block_table), device_ref)
+        return dict(num_blocks=jnp.where(fin, 0, num_blocks),
+                    block_table=jnp.where(fin[..., None], 0, block_table), device_ref=device_ref)
 
     if state.caching:
-        return _update_cached(state, new_seq, fin, sampled, num_tokens, done, samples, alive,
-                              seq_reason, group_done, sampled_tokens, is_prefill)
-    # NOTE: most steps neither fork nor finish a sequence; they skip the [G, S, M] table work.
-    num_blocks, block_table, device_ref = batching.cond(
-        (new_seq | fin).any(), tables, lambda: (state.num_blocks, state.block_table, state.device_ref),
-        same=True)
+        blocks = _cached_tables(state, forked, new_seq, fin, sampled, num_tokens, sampled_tokens,
+                                is_prefill)
+    else:
+        # NOTE: most steps neither fork nor finish a sequence; they skip the [G, S, M] table work.
+        blocks = batching.cond((new_seq | fin).any(), tables,
+                               lambda: dict(num_blocks=state.num_blocks, block_table=state.block_table,
+                                            device_ref=state.device_ref), same=True)
     state = state.replace(
         prefill_done=done, forked=state.forked | samples, seq_alive=alive,
-        seq_finish_reason=seq_reason, num_tokens=num_tokens, num_blocks=num_blocks,
-        block_table=block_table, device_ref=device_ref,
+        seq_finish_reason=seq_reason, num_tokens=num_tokens, **blocks,
         status=jnp.where(group_done, FINISHED, state.status),
         finish_reason=jnp.where(group_done, seq_reason.max(1), state.finish_reason),
     )
     return state, sampled, group_done
 
 
-def _update_cached(state: SchedulerState, new_seq, fin, sampled, num_tokens, done, samples, alive,
-                   seq_reason, group_done, sampled_tokens, is_prefill):
-    """`update_impl` with prefix caching (SPEC A10): a fork copies sequence 0's keys too, the
-    sampled token extends the key of the block it lands in, and finished sequences' blocks
-    are freed into the evictor in vLLM's output order (the evictor's order).
+def _cached_tables(state: SchedulerState, forked, new_seq, fin, sampled, num_tokens,
+                   sampled_tokens, is_prefill) -> dict:
+    """`update_impl`'s block fields with prefix caching (SPEC A10): a fork copies sequence 0's
+    keys too, the sampled token extends the key of the block it lands in, and finished
+    sequences' blocks are freed into the evictor in vLLM's output order (the evictor's order).
 
     NOTE: vLLM processes outputs as new prefills, running prefills, swapped-in prefills,
     running decodes, swapped-in decodes, each in walk order. `schedule` requeued the scheduled
@@ -204,30 +209,23 @@ def _update_cached(state: SchedulerState, new_seq, fin, sampled, num_tokens, don
     seq_key = jnp.where(at, new_key[..., None], seq_key)
 
     def tables():
-        block_table = jnp.where(new_seq[..., None], state.block_table[:, :1], state.block_table)
-        num_blocks = jnp.where(new_seq, state.num_blocks[:, :1], state.num_blocks)
+        block_table, num_blocks = forked()
         pool = state.pool("dev")
         pool = pool._replace(ref_count=add_refs(pool.ref_count, block_table,
                                                 entry_valid(num_blocks, new_seq, width), 1))
         order = jnp.lexsort((state.queue_key, jnp.where(is_prefill, 0, 1)))
         freed = entry_valid(num_blocks, fin, width)
         pool = prefix_cache.free(pool, block_table[order].reshape(-1), freed[order].reshape(-1))
-        return (jnp.where(fin, 0, num_blocks), jnp.where(fin[..., None], 0, block_table),
-                pool.ref_count, pool.evict_seq, pool.clock)
+        return dict(num_blocks=jnp.where(fin, 0, num_blocks),
+                    block_table=jnp.where(fin[..., None], 0, block_table), device_ref=pool.ref_count,
+                    dev_evict_seq=pool.evict_seq, dev_clock=pool.clock)
 
-    num_blocks, block_table, device_ref, evict_seq, clock = batching.cond(
+    blocks = batching.cond(
         (new_seq | fin).any(), tables,
-        lambda: (state.num_blocks, state.block_table, state.device_ref, state.dev_evict_seq,
-                 state.dev_clock), same=True)
-    state = state.replace(
-        prefill_done=done, forked=state.forked | samples, seq_alive=alive,
-        seq_finish_reason=seq_reason, num_tokens=num_tokens, num_blocks=num_blocks,
-        block_table=block_table, device_ref=device_ref, seq_key=seq_key,
-        dev_evict_seq=evict_seq, dev_clock=clock,
-        status=jnp.where(group_done, FINISHED, state.status),
-        finish_reason=jnp.where(group_done, seq_reason.max(1), state.finish_reason),
-    )
-    return state, sampled, group_done
+        lambda: dict(num_blocks=state.num_blocks, block_table=state.block_table,
+                     device_ref=state.device_ref, dev_evict_seq=state.dev_evict_seq,
+                     dev_clock=state.dev_clock), same=True)
+    return dict(blocks, seq_key=seq_key)
 
 
 def free_finished_impl(state: SchedulerState) -> tuple[SchedulerState, jax.Array]:
