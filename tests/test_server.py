@@ -26,8 +26,11 @@ from jaxsched.engine.params import SamplingParams
 
 MODEL = "smollm2-135m"
 KEY = "test-key"
-# One engine shape for both servers and the offline LLM; only the block counts differ.
-ENGINE = dict(block_size=16, max_num_seqs=8, num_slots=16, max_num_batched_tokens=64, max_model_len=256)
+# One engine shape for both servers and the offline LLM; only the block counts differ, and
+# the pools' capacity is the same, so all three run the same executables: the first server
+# compiles them, the others load them from the run's compilation cache (conftest).
+ENGINE = dict(block_size=16, max_num_seqs=8, num_slots=16, max_num_batched_tokens=64, max_model_len=256,
+              num_device_blocks_capacity=64, num_host_blocks_capacity=64)
 ROOMY = dict(ENGINE, num_device_blocks=64, num_host_blocks=64)
 SMALL = dict(ENGINE, num_device_blocks=12, num_host_blocks=64)
 START_TIMEOUT_S = 900          # a cold compile of SmolLM2 on a small CPU

@@ -93,6 +93,10 @@ ENGINE_FLAGS = {
                             "prefill (vLLM's delay_factor)"),
     "watermark": (float, "share of device blocks kept free at admission"),
     "num_slots": (int, "request slots alive at once (a compiled shape)"),
+    "num_device_blocks_capacity": (int, "device KV pool size compiled in (default: "
+                                        "--num-device-blocks); engines with equal capacities "
+                                        "and other block counts share compiled steps"),
+    "num_host_blocks_capacity": (int, "host KV pool size compiled in (default: --num-host-blocks)"),
 }
 
 

@@ -6,6 +6,10 @@ them again. The directory is, in order: the `path` argument (the CLI's
 directory the user already gave JAX (`jax_compilation_cache_dir`), else
 `$XDG_CACHE_HOME/jaxsched/xla` (`~/.cache/jaxsched/xla`). "off" (or an empty value)
 disables it.
+
+The cache is bounded (`MAX_SIZE_BYTES`, least recently used entries evicted). Setting a bound
+also makes JAX guard every read and write with a file lock; without one an entry is written
+in place, and a second process (two servers, a server and the CLI) can read it half-written.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from typing import Optional
 
 ENV_VAR = "JAXSCHED_COMPILATION_CACHE_DIR"
 OFF = {"", "off", "none", "0", "false"}
+MAX_SIZE_BYTES = 4 << 30
 
 
 def default_cache_dir() -> Path:
@@ -51,5 +56,7 @@ def enable_compilation_cache(path: Optional[str] = None) -> Optional[Path]:
     # cache everything that took a little time, whatever its size.
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    if jax.config.jax_compilation_cache_max_size == -1:     # -1: JAX's unbounded, unlocked default
+        jax.config.update("jax_compilation_cache_max_size", MAX_SIZE_BYTES)
     compilation_cache.reset_cache()           # a cache set up earlier without a directory
     return where
