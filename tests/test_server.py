@@ -2,9 +2,10 @@
 
 Two servers, each started once per module (the first compile of SmolLM2 is the slow part):
   * `server`: a roomy cache, an API key and a short waiting queue (auth and 503s);
-  * `small_server`: a cache so small that 48 concurrent streams preempt by recompute (single
-    sequences) and by swap (n=2 groups), with a quarter of them hanging up mid-stream.
-Greedy outputs are checked against the offline `LLM` on the same prompts.
+  * `small_server`: prefix caching on, and a cache so small that 48 concurrent streams of six
+    prompts preempt by recompute (single sequences) and by swap (n=2 groups), with a quarter
+    of them hanging up mid-stream.
+Greedy outputs are checked against the offline `LLM` (prefix caching off) on the same prompts.
 """
 from __future__ import annotations
 
@@ -88,7 +89,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def small_server():
-    proc, base = _start(SMALL, "--max-waiting-requests", "256")
+    proc, base = _start(SMALL, "--max-waiting-requests", "256", "--enable-prefix-caching")
     yield base
     assert _stop(proc, signal.SIGTERM) == 0          # a service manager's stop is a clean exit
 
@@ -129,6 +130,7 @@ def test_models_health_metrics(server):
     names = _metrics(server)
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:num_requests_swapped",
                  "vllm:gpu_cache_usage_perc", "vllm:cpu_cache_usage_perc", "vllm:num_preemptions_total",
+                 "vllm:gpu_prefix_cache_hit_rate",
                  "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
                  "vllm:time_to_first_token_seconds_count", "vllm:time_per_output_token_seconds_count",
                  "vllm:e2e_request_latency_seconds_count"):
@@ -331,7 +333,8 @@ def test_backpressure_503_past_the_queue_limit(server):
 
 # ----------------------------------------------------------------------------- load with faults
 def test_load_with_disconnects_preemption_and_bad_requests(small_server, offline):
-    """48 streams on 12 blocks: preempted by recompute and swap, a quarter hang up, some are bad."""
+    """48 streams on 12 blocks with prefix caching: preempted by recompute and swap, a quarter
+    hang up, some are bad; every finished stream is the offline engine's greedy text."""
     max_tokens = 20
     want = dict(zip(PROMPTS, _offline_greedy(offline, PROMPTS, max_tokens, ignore_eos=True)))
 
@@ -377,6 +380,7 @@ def test_load_with_disconnects_preemption_and_bad_requests(small_server, offline
     assert m["vllm:num_preemptions_total"] == (m["jaxsched:num_preemptions_by_mode_total[recompute]"]
                                                + m["jaxsched:num_preemptions_by_mode_total[swap]"])
     assert m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0
+    assert 0 < m["vllm:gpu_prefix_cache_hit_rate"] <= 1          # six prompts, each asked eight times
     assert m["vllm:num_requests_swapped"] == 0
     assert m["vllm:gpu_cache_usage_perc"] == 0 and m["vllm:cpu_cache_usage_perc"] == 0
     assert m["vllm:request_success_total"] >= 36

@@ -36,16 +36,22 @@ class FlatBatch(NamedTuple):
     done_after: jax.Array      # int32[G] each group's prefill progress after this step
 
 
-def flat_batch(sched, out, token_ids, max_tokens: int, block_size: int) -> FlatBatch:
+def flat_batch(sched, out, token_ids, max_tokens: int, block_size: int,
+               skip: jax.Array | None = None) -> FlatBatch:
     """Build the flat batch from the state right after `schedule` and its output.
 
     token_ids: int32[G, S, L] every sequence's prompt + outputs so far.
+    skip: int32[G] leading prefill work whose K/V the cache already holds (prefix caching,
+      engine/prefix_reuse.py): the part of a chunk below it is not run; None: nothing.
     """
     g, s, _ = token_ids.shape
     alive = sched.seq_alive
     n_live = alive.sum(1, dtype=jnp.int32)
     is_prefill = out.is_prefill
-    count = jnp.where(out.scheduled, jnp.where(is_prefill, out.num_scheduled_tokens, n_live), 0)
+    done_after = sched.prefill_done + jnp.where(is_prefill, out.num_scheduled_tokens, 0)
+    begin = sched.prefill_done if skip is None else jnp.maximum(sched.prefill_done, skip)
+    run = jnp.maximum(done_after - begin, 0)                            # prefill work run now
+    count = jnp.where(out.scheduled, jnp.where(is_prefill, run, n_live), 0)
     # Decodes first, then prefill chunks (each part in slot order): attention loops over
     # cached context per group of consecutive tokens (jaxsched.attention), so prefill tokens
     # should not share a group with a long decode.
@@ -67,7 +73,7 @@ def flat_batch(sched, out, token_ids, max_tokens: int, block_size: int) -> FlatB
     shared = jnp.where(multi, (sched.prompt_len // block_size) * block_size, 0)   # [G]
     own = jnp.where(alive, sched.num_tokens - shared[:, None], 0)       # [G, S]
     own_start = exclusive_cumsum(own, axis=1)
-    q = sched.prefill_done[grp] + j
+    q = begin[grp] + j
     r = q - shared[grp]
     in_own = alive[grp] & (own_start[grp] <= r[:, None]) & (r[:, None] < own_start[grp] + own[grp])
     pre_seq = jnp.where(r < 0, leader[grp], jnp.argmax(in_own, axis=1))
@@ -83,11 +89,10 @@ def flat_batch(sched, out, token_ids, max_tokens: int, block_size: int) -> FlatB
     seq_ids = jnp.arange(s)[None, :]
     decode = (out.scheduled & ~is_prefill)[:, None] & alive
     dec_index = start[:, None] + alive_rank
-    done_after = sched.prefill_done + jnp.where(is_prefill, out.num_scheduled_tokens, 0)
     last_q = shared[:, None] + own_start + own - 1                       # [G, S] prefill index
     in_chunk = (last_q >= sched.prefill_done[:, None]) & (last_q < done_after[:, None])
     pre_sample = (out.scheduled & is_prefill)[:, None] & alive & in_chunk
-    pre_index = start[:, None] + last_q - sched.prefill_done[:, None]
+    pre_index = start[:, None] + last_q - begin[:, None]
     # A fresh n > 1 group forks at its last prompt token: every child samples there.
     fork = (out.scheduled & is_prefill & ~sched.forked & (sched.n > 1)
             & (done_after >= sched.prefill_total))[:, None] & (seq_ids < sched.n[:, None])

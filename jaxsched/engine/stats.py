@@ -46,12 +46,21 @@ class EngineStats:
         st["blocks_swapped_in"] += int(out.num_swap_in)
         st["blocks_copied"] += int(out.num_copy)
         st["tokens_run"] += int(out.num_tokens)
+        st["cached_prompt_tokens"] += int(out.num_cached_tokens)
+        st["prefix_cache_queries"] += int(out.prefix_queried)
+        st["prefix_cache_hits"] += int(out.prefix_hit)
         self.peak_device_blocks = max(self.peak_device_blocks,
                                       self.num_device_blocks - int(out.num_free_device_blocks))
         self.peak_host_blocks = max(self.peak_host_blocks,
                                     self.num_host_blocks - int(out.num_free_host_blocks))
         if st["steps"] == 1 and not compiles_lazily:
             self.first_tokens = int(out.has_token.sum())   # their step's time was the compile
+
+    def prefix_cache_hit_rate(self) -> float:
+        """Of the full prompt blocks that prefills looked up, the share found in the cache
+        with their K/V ready (0 with caching off, as vLLM reports)."""
+        st = self.counts
+        return round(st["prefix_cache_hits"] / max(st["prefix_cache_queries"], 1), 4)
 
     def as_dict(self) -> dict:
         """`LLM.stats()`: the counters, throughput of the steps that compiled nothing, peaks."""
@@ -64,5 +73,7 @@ class EngineStats:
             "blocks_swapped_out": st["blocks_swapped_out"], "blocks_swapped_in": st["blocks_swapped_in"],
             "blocks_copied": st["blocks_copied"], "ignored": st["ignored"],
             "peak_device_blocks": self.peak_device_blocks, "peak_host_blocks": self.peak_host_blocks,
+            "cached_prompt_tokens": st["cached_prompt_tokens"],
+            "prefix_cache_hit_rate": self.prefix_cache_hit_rate(),
             "engine_seconds": round(elapsed, 2), "compile_seconds": round(self.compile_seconds, 1),
         }

@@ -32,6 +32,7 @@ from jaxsched.engine.batch import flat_batch
 from jaxsched.core.config import Capacity, SchedulerConfig
 from jaxsched.core.requests import RequestBatch, add_requests, free_finished, update
 from jaxsched.engine.params import MAX_LOGPROBS
+from jaxsched.engine.prefix_reuse import PrefixReuse, cached_prefix_tokens, empty_reuse, mark_ready
 from jaxsched.engine.sampling import apply_penalties, sample, token_key, top_logprobs
 from jaxsched.core.scheduler import schedule_step
 from jaxsched.core.state import FINISHED, SchedulerState, init_state
@@ -89,6 +90,8 @@ class EngineState:
       pending_top_id, pending_top_logprob: int32 / float32[G, S, MAX_LOGPROBS] their top tokens.
       sampling: SamplingRows with one row per slot.
       eos_token_id: int32[] (-1: none).
+      kv_key: uint32[2, D+1] content key of the K/V each device block holds, and
+      kv_ready: bool[D+1] whether that K/V is complete (prefix caching: prefix_reuse.py).
     """
     sched: SchedulerState
     kv: kvc.KVCache
@@ -99,6 +102,8 @@ class EngineState:
     pending_top_logprob: jax.Array
     sampling: SamplingRows
     eos_token_id: jax.Array
+    kv_key: jax.Array
+    kv_ready: jax.Array
 
 
 class StepOutput(NamedTuple):
@@ -123,6 +128,9 @@ class StepOutput(NamedTuple):
     num_free_device_blocks: jax.Array
     num_free_host_blocks: jax.Array
     num_tokens: jax.Array      # int32[] tokens the model ran this step
+    num_cached_tokens: jax.Array  # int32[] prefill tokens taken from the prefix cache, not run
+    prefix_queried: jax.Array  # int32[] full prompt blocks the prefills starting now looked up
+    prefix_hit: jax.Array      # int32[] of those, blocks found with their K/V ready
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,6 +190,8 @@ def init_engine(config: SchedulerConfig, kv_cache: kvc.KVCache, eos_token_id: in
                               presence_penalty=z(g, dt=jnp.float32), frequency_penalty=z(g, dt=jnp.float32),
                               repetition_penalty=jnp.ones((g,), jnp.float32), num_logprobs=z(g)),
         eos_token_id=jnp.asarray(-1 if eos_token_id is None else eos_token_id, jnp.int32),
+        kv_key=jnp.zeros((2, cap.num_device_blocks + 1), jnp.uint32),
+        kv_ready=jnp.zeros((cap.num_device_blocks + 1,), bool),
     )
     # Commit every array to its device, as `step`'s outputs are: otherwise the second step
     # sees other input shardings and compiles the whole engine again. `devices()` is the
@@ -191,10 +201,11 @@ def init_engine(config: SchedulerConfig, kv_cache: kvc.KVCache, eos_token_id: in
 
 
 def _admit(state: EngineState, new: NewRequests) -> EngineState:
-    sched, slots = add_requests(state.sched, new.batch)
     width = state.token_ids.shape[2]
-    prompt = jnp.zeros((slots.shape[0], width), jnp.int32).at[:, :new.prompt_tokens.shape[1]].set(
+    prompt = jnp.zeros((new.prompt_tokens.shape[0], width), jnp.int32).at[:, :new.prompt_tokens.shape[1]].set(
         new.prompt_tokens[:, :width])
+    batch = new.batch.replace(prompt_tokens=prompt) if state.sched.caching else new.batch
+    sched, slots = add_requests(state.sched, batch)
     token_ids = state.token_ids.at[slots, 0].set(prompt, mode="drop")
     rows = jax.tree.map(lambda cur, add: cur.at[slots].set(add.astype(cur.dtype), mode="drop"),
                         state.sampling, new.sampling)
@@ -215,6 +226,7 @@ class StepPlan:
     logits_index: jax.Array
     block_tables: jax.Array
     context_lens: jax.Array
+    reuse: PrefixReuse
 
 
 def _bucket_forward(spec: EngineSpec, params, kv, plan: StepPlan, size: int):
@@ -283,7 +295,9 @@ def plan_impl(state: EngineState, new: NewRequests, now, spec: EngineSpec) -> tu
     kv = kvc.swap_in(kv, out.blocks_to_swap_in, out.num_swap_in)
     kv = kvc.copy_blocks(kv, out.blocks_to_copy, out.num_copy)
 
-    fb = flat_batch(sched, out, state.token_ids, spec.token_buckets[-1], cap.block_size)
+    reuse = (cached_prefix_tokens(sched, out, state.kv_key, state.kv_ready, cap.block_size)
+             if cap.enable_prefix_caching else empty_reuse(g))
+    fb = flat_batch(sched, out, state.token_ids, spec.token_buckets[-1], cap.block_size, reuse.skip)
     rows = spec.num_sample_rows
     flat_mask = fb.sample_mask.reshape(-1)
     rank = jnp.cumsum(flat_mask) - 1
@@ -296,7 +310,8 @@ def plan_impl(state: EngineState, new: NewRequests, now, spec: EngineSpec) -> tu
     block_tables = sched.block_table.reshape(g * s, -1)
     context_lens = sched.num_tokens.reshape(-1)
     plan = StepPlan(sched=sched, out=out, fb=fb, row_g=row_g, row_s=row_s, gs=gs, live_row=live_row,
-                    logits_index=logits_index, block_tables=block_tables, context_lens=context_lens)
+                    logits_index=logits_index, block_tables=block_tables, context_lens=context_lens,
+                    reuse=reuse)
     return state.replace(kv=kv), plan
 
 
@@ -340,7 +355,8 @@ def finish_impl(state: EngineState, plan: StepPlan, logits, spec: EngineSpec):
     stop_hit = ((final_tok == state.eos_token_id) & ~sp.ignore_eos[:, None]) | (
         final_tok[:, :, None] == sp.stop_token_ids[:, None, :]).any(-1)
     stopped = stop_hit & (out_len >= sp.min_tokens[:, None])
-    sched, sampled, _ = update(sched, out.scheduled, out.num_scheduled_tokens, out.is_prefill, stopped)
+    sched, sampled, _ = update(sched, out.scheduled, out.num_scheduled_tokens, out.is_prefill, stopped,
+                               final_tok if sched.caching else None)
     width = token_ids.shape[2]
     write_at = jnp.where(sampled, jnp.clip(seq_len, 0, width - 1), width)
     token_ids = token_ids.at[jnp.arange(g)[:, None], jnp.arange(s)[None, :], write_at].set(final_tok, mode="drop")
@@ -358,12 +374,24 @@ def finish_impl(state: EngineState, plan: StepPlan, logits, spec: EngineSpec):
         num_swap_in=out.num_swap_in, num_copy=out.num_copy,
         num_free_device_blocks=out.num_free_device_blocks,
         num_free_host_blocks=out.num_free_host_blocks, num_tokens=fb.num_valid,
+        num_cached_tokens=_cached_run(plan, out), prefix_queried=plan.reuse.queried,
+        prefix_hit=plan.reuse.hit,
     )
+    kv_key, kv_ready = state.kv_key, state.kv_ready
+    if spec.cap.enable_prefix_caching:
+        kv_key, kv_ready = mark_ready(kv_key, kv_ready, plan.sched, out, fb, completes, spec.cap.block_size)
     sched, _ = free_finished(sched)      # results of finished slots travel in `result`
     state = state.replace(sched=sched, kv=kv, token_ids=token_ids, pending=pending,
                           pending_logprob=pending_lp, pending_top_id=pending_top_id,
-                          pending_top_logprob=pending_top_lp)
+                          pending_top_logprob=pending_top_lp, kv_key=kv_key, kv_ready=kv_ready)
     return state, result
+
+
+def _cached_run(plan: StepPlan, out) -> jax.Array:
+    """Prefill tokens of this step's chunks that the prefix cache spared."""
+    start = plan.sched.prefill_done
+    end = start + jnp.where(out.scheduled & out.is_prefill, out.num_scheduled_tokens, 0)
+    return jnp.clip(jnp.minimum(plan.reuse.skip, end) - start, 0).sum(dtype=jnp.int32)
 
 
 def step_impl(state: EngineState, params, new: NewRequests, now, spec: EngineSpec):

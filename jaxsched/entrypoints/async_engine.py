@@ -196,6 +196,7 @@ class AsyncEngine:
         m.gpu_cache_usage.set(int((np.asarray(device_ref)[1:] > 0).sum()) / max(cfg.num_device_blocks, 1))
         m.cpu_cache_usage.set(int((np.asarray(host_ref)[1:] > 0).sum()) / max(cfg.num_host_blocks, 1))
         stats = llm.stats()
+        m.gpu_prefix_cache_hit_rate.set(stats["prefix_cache_hit_rate"])
         preempted = (stats["preempted_recompute"] + stats["preempted_swap"]
                      - self._stats["preempted_recompute"] - self._stats["preempted_swap"])
         if preempted:

@@ -121,6 +121,8 @@ def add_engine_args(parser: argparse.ArgumentParser, defaults: dict | None = Non
             text += f"; without --gpu-memory-utilization / --swap-space: {counted[name]}"
         a("--" + name.replace("_", "-"), type=kind, default=defaults.get(name), help=text)
     a("--enable-chunked-prefill", action="store_true", help="split long prompts over steps (SPEC A6)")
+    a("--enable-prefix-caching", action="store_true",
+      help="share the KV blocks of common prompt prefixes and skip their prefill (SPEC A10)")
     a("--tensor-parallel-size", type=int, default=None,
       help="shard the model and KV cache over N devices (jax.sharding)")
     a("--data-parallel-size", type=int, default=None,
@@ -154,6 +156,8 @@ def engine_kwargs(args) -> dict:
                 engine[name] = default
     if args.enable_chunked_prefill:
         engine["enable_chunked_prefill"] = True
+    if args.enable_prefix_caching:
+        engine["enable_prefix_caching"] = True
     if args.tensor_parallel_size or args.data_parallel_size:
         engine["mesh_shape"] = (args.data_parallel_size or 1, args.tensor_parallel_size or 1)
     for flag in ("tensor_parallel_size", "data_parallel_size"):

@@ -396,11 +396,6 @@ def _check_engine_args(engine_args: dict) -> SchedulerConfig:
     Where the model sets a default (max_model_len), a stand-in is used: the real config is
     built once the model's context length is known."""
     args = dict(engine_args)
-    if args.get("enable_prefix_caching"):
-        # SPEC A10 is in the scheduler (trace replay); the engine neither hands it prompt
-        # token ids nor skips cached blocks yet.
-        raise ValueError("LLM: enable_prefix_caching is not supported by the engine yet "
-                         "(the scheduler replays it: jaxsched simulate)")
     if isinstance(args.get("preemption_costs"), (str, pathlib.Path)):
         args.pop("preemption_costs")                  # a file or "measure": resolved later
     args.setdefault("max_num_batched_tokens", max(512, args.get("max_num_seqs", 16)))

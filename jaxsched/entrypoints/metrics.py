@@ -24,6 +24,8 @@ METRICS = (
     ("num_requests_swapped", Gauge, "vllm:num_requests_swapped", "Number of requests swapped to CPU.", None),
     ("gpu_cache_usage", Gauge, "vllm:gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent usage.", None),
     ("cpu_cache_usage", Gauge, "vllm:cpu_cache_usage_perc", "CPU KV-cache usage. 1 means 100 percent usage.", None),
+    ("gpu_prefix_cache_hit_rate", Gauge, "vllm:gpu_prefix_cache_hit_rate",
+     "GPU prefix cache block hit rate.", None),
     ("num_preemptions", Counter, "vllm:num_preemptions_total", "Cumulative number of preemption from the engine.",
      None),
     # Not one of vLLM's: which way the engine preempted (recompute or swap).
