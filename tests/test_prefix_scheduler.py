@@ -150,3 +150,28 @@ def test_cached_scheduler__drawn_shared_prefix_workloads_decide_as_the_reference
     got = simulate(trace["config"], trace["requests"], capacity=CAPACITY, check_invariants=True)
     got.pop("ignored_reasons")
     assert_same_steps(got, simulate_reference(trace))
+
+
+def test_auto__counts_cached_blocks_as_free_so_a_shared_prefix_recomputes():
+    """Costs that make a block's swap 4x cheaper than prefilling its 4 tokens: without the
+    cache `auto` swaps every victim; with it a recompute only prefills the last block (the
+    rest waits in the evictor), so `auto` recomputes instead; the reference agrees."""
+    costs = dict(recompute_fixed=0.0, recompute_per_token=1.0, swap_fixed=0.0, swap_per_block=1.0)
+    rng = random.Random(5)
+    system = [rng.randrange(1000) for _ in range(24)]
+    requests = [{"id": f"r{i}", "arrival_step": i, "prompt_len": 26, "max_tokens": 20,
+                 "prompt_token_ids": system + [rng.randrange(1000) for _ in range(2)]}
+                for i in range(6)]
+    modes = {}
+    for caching in (False, True):
+        config = {"block_size": 4, "num_device_blocks": 20, "num_host_blocks": 30, "max_num_seqs": 4,
+                  "max_num_batched_tokens": 64, "max_model_len": 56, "preemption_mode": "auto",
+                  "enable_prefix_caching": caching, "step_time": 1.0, "max_steps": 500}
+        jitted = SchedulerConfig(**{k: v for k, v in config.items() if k not in ("step_time", "max_steps")},
+                                 preemption_costs=costs)
+        got = simulate(jitted, requests, capacity=CAPACITY, check_invariants=True)
+        want = simulate_reference({"config": dict(config, preemption_costs=costs), "requests": requests})
+        got.pop("ignored_reasons")
+        assert_same_steps(got, want)
+        modes[caching] = {p["mode"] for s in got["steps"] for p in s["preempted"]}
+    assert modes == {False: {"swap"}, True: {"recompute"}}, modes

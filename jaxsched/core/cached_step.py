@@ -28,6 +28,7 @@ from jaxsched.core import prefix_cache as pc
 from jaxsched.core.block_pool import entry_valid, exclusive_cumsum
 from jaxsched.core.cached_pool import Ctx, Step, admit, append, cond, drop_host, preempt, swap_in
 from jaxsched.core.config import Capacity
+from jaxsched.core.costs import reusable_blocks
 from jaxsched.core.placement import Blocks, no_pairs
 from jaxsched.core.preemption import Victims, preempted_fields, recompute_tokens, wants_swap
 from jaxsched.core.state import SchedulerState, pool_fields
@@ -66,10 +67,22 @@ def _wants_swap(state, cap: Capacity, d, ctx: Ctx, g) -> jax.Array:
     if its distinct blocks fit the host pool's free count (SPEC A5, B1)."""
     lim = state.limits
     tokens = recompute_tokens(state.prompt_len[g], state.seq_alive[g], state.num_tokens[g],
-                              cap.block_size)
+                              cap.block_size) - cached_tokens(state, g, cap.block_size)
     want = wants_swap(jnp.ones((1,), bool), d.nmax[g][None], d.held[g][None], tokens[None],
                       lim.preemption_mode, lim.costs)[0]
     return want & (d.held[g] <= pc.num_free(ctx.host))
+
+
+def cached_tokens(state, g, block_size: int) -> jax.Array:
+    """Of the tokens a recompute of group g would prefill, those still in the prefix cache
+    after the preemption frees its blocks into the evictor: its reusable blocks (core/costs)
+    whose K/V it has computed. `auto` compares a swap with prefilling only the rest."""
+    alive = state.seq_alive[g]
+    lead_len = state.num_tokens[g, jnp.argmax(alive)]
+    computed = jnp.where(state.prefill_done[g] < state.prefill_total[g], state.prefill_done[g], lead_len)
+    multi = (alive.sum() > 1).astype(jnp.int32)
+    blocks = reusable_blocks(state.prompt_len[g], lead_len, multi, block_size)
+    return jnp.minimum(blocks, computed // block_size) * block_size
 
 
 class RunningOut(NamedTuple):

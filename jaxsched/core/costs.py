@@ -139,6 +139,15 @@ def swap_seconds(c, blocks):
     return c[3] + c[4] * blocks
 
 
+def reusable_blocks(prompt_len, lead_len, multi, block_size: int):
+    """Full blocks at the head of a (re-)prefill that the prefix cache (SPEC A10) can give
+    back: for one sequence every block before the one holding its last token (that token
+    runs, its logits sample), for a re-prefilled forked group (`multi` 1: SPEC B1) the
+    prompt's full blocks, which come first and are shared. Plain arithmetic (`multi` 0 or
+    1), so the jitted scheduler, the reference and the engine count alike."""
+    return multi * (prompt_len // block_size) + (1 - multi) * ((lead_len - 1) // block_size)
+
+
 # ----------------------------------------------------------------------------- fitting
 
 def _nonneg_lstsq(a: np.ndarray, y: np.ndarray) -> np.ndarray:

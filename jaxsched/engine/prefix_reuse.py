@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxsched.cache.kv_cache import PAD_ID
+from jaxsched.core.costs import reusable_blocks
 
 
 class PrefixReuse(NamedTuple):
@@ -62,17 +63,15 @@ def cached_prefix_tokens(sched, out, kv_key: jax.Array, kv_ready: jax.Array,
     sched: the scheduler state right after `schedule` (with prefix caching: `seq_key`).
     kv_key: uint32[2, D+1]; kv_ready: bool[D+1] (the engine's, block 0 never ready).
 
-    A single sequence may skip full blocks up to, not including, the block of its last token;
-    a re-prefilled forked group (SPEC B1: the prompt's full blocks once, through the leader's
-    table, then each sequence's own tokens) only the shared prompt blocks.
+    The candidates are `core.costs.reusable_blocks` of the leader's table (the one rule the
+    scheduler's `auto` counts by too).
     """
     rows, leader = _leader(sched)
     table = sched.block_table[rows, leader]                               # [G, M]
     want = sched.seq_key[rows, leader]                                    # [G, 2, M]
     have = jnp.moveaxis(kv_key[:, table], 0, 1)                           # [G, 2, M]
-    multi = sched.seq_alive.sum(1) > 1
-    lead_len = sched.num_tokens[rows, leader]
-    limit = jnp.where(multi, sched.prompt_len // block_size, (lead_len - 1) // block_size)
+    multi = (sched.seq_alive.sum(1) > 1).astype(jnp.int32)
+    limit = reusable_blocks(sched.prompt_len, sched.num_tokens[rows, leader], multi, block_size)
     m = table.shape[1]
     eligible = jnp.arange(m)[None, :] < limit[:, None]
     ok = eligible & kv_ready[table] & (have == want).all(1)

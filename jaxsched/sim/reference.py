@@ -32,7 +32,8 @@ from collections import OrderedDict, deque
 
 import numpy as np
 
-from jaxsched.core.costs import DEFAULT_COSTS, PreemptionCosts, recompute_seconds, swap_seconds
+from jaxsched.core.costs import (DEFAULT_COSTS, PreemptionCosts, recompute_seconds, reusable_blocks,
+                                 swap_seconds)
 
 FINISHED_LENGTH_CAPPED = "finished_length_capped"
 FINISHED_STOPPED = "finished_stopped"  # never reached in replay: no sequence samples EOS
@@ -756,6 +757,17 @@ class ReferenceScheduler:
         return (multi_recompute_layout(group, self.block_manager.block_size)[2]
                 if group.is_multi() else group.seqs[0].num_tokens)
 
+    def _cached_tokens(self, group: SequenceGroup) -> int:
+        """With prefix caching, the tokens of a recompute the evictor would give back (the
+        group's reusable blocks whose K/V it computed): `auto` does not count them."""
+        if not self.config.enable_prefix_caching:
+            return 0
+        bs = self.block_manager.block_size
+        lead_len = group.live_seqs()[0].num_tokens
+        computed = group.prefill_done if group.is_prefill() else lead_len
+        blocks = reusable_blocks(group.prompt_len, lead_len, int(group.is_multi()), bs)
+        return min(blocks, computed // bs) * bs
+
     def _swap_is_cheaper(self, group: SequenceGroup) -> bool:
         """AUTO: the swap of the group's unique blocks (out and back in) costs less than
         prefilling its tokens again. float32, in the jitted scheduler's order of operations."""
@@ -763,7 +775,7 @@ class ReferenceScheduler:
         costs = DEFAULT_COSTS if costs is None else PreemptionCosts.coerce(costs)
         c = tuple(np.float32(x) for x in costs.coefficients)
         blocks = np.float32(len(self.block_manager.unique_blocks(group)))
-        tokens = np.float32(self._recompute_total(group))
+        tokens = np.float32(self._recompute_total(group) - self._cached_tokens(group))
         return bool(swap_seconds(c, blocks) < recompute_seconds(c, tokens))
 
     def _ignore(self, group: SequenceGroup, out: SchedulerOutputs) -> None:
