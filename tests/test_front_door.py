@@ -303,3 +303,20 @@ def test_cli__preemption_mode_default_is_accepted_by_every_subcommand(tmp_path):
     assert cli.main(["trace", "generate", "-o", str(out), "--num-requests", "3", "--rate", "1",
                      "--preemption-mode", "default"]) == 0
     assert json.loads(out.read_text())["config"]["preemption_mode"] is None
+
+
+def test_cli__prefix_caching_and_capacity_flags_reach_the_engine_and_the_sweep(monkeypatch, tmp_path, capsys):
+    from jaxsched.entrypoints import cli
+    from jaxsched.entrypoints.cli import build_parser, check_engine_kwargs, engine_kwargs
+    for sub in ("generate", "serve"):
+        args = build_parser().parse_args([sub, "--enable-prefix-caching", "--num-device-blocks", "12",
+                                          "--num-device-blocks-capacity", "64"])
+        config = check_engine_kwargs(engine_kwargs(args))
+        assert config.enable_prefix_caching and config.capacity().num_device_blocks == 64
+    seen = {}
+    import jaxsched.sim.sweep
+    monkeypatch.setattr(jaxsched.sim.sweep, "sweep", lambda trace, **kw: seen.update(kw) or [{"steps": 1}])
+    trace = tmp_path / "t.json"
+    trace.write_text(json.dumps(_trace()))
+    assert cli.main(["sweep", str(trace), "--enable-prefix-caching", "false,true", "--no-progress"]) == 0
+    assert seen["enable_prefix_caching"] == "false,true"

@@ -47,9 +47,9 @@ def vmapped():
     return rows, stats
 
 
-def expected_row(row: dict) -> dict:
-    """What `simulate` says about the row's configuration, in the sweep's terms."""
-    config = dict(TRACE["config"], **{k: row[k] for k in GRID})
+def expected_row(row: dict, keys=tuple(GRID)) -> dict:
+    """What `simulate` says about the row's configuration (its `keys`), in the sweep's terms."""
+    config = dict(TRACE["config"], **{k: row[k] for k in keys})
     result = simulate(config, TRACE["requests"], capacity=CAPACITY)
     summary = summarize(result, config)
     arrival = {r["id"]: r["arrival_step"] for r in TRACE["requests"]}
@@ -239,3 +239,24 @@ def test_sweep__slot_doublings_restart_with_the_same_rows(vmapped, monkeypatch):
     assert stats["num_slots"] > 8
     assert [{k: r[k] for k in (*GRID, *METRICS)} for r in doubled] == \
         [{k: r[k] for k in (*GRID, *METRICS)} for r in rows]
+
+
+def test_sweep__prefix_caching_is_an_axis_and_every_run_equals_simulate():
+    """[False, True]: one sweep (and compile) per value, rows in that order carrying it; each
+    row is `simulate` of its configuration with caching off or on. TRACE gives no prompt ids,
+    so every prompt is 0 .. prompt_len - 1 (SPEC A10) and they share prefixes: caching
+    changes the runs."""
+    stats = {}
+    rows = sweep(TRACE, num_device_blocks=[12, 32], preemption_mode=["recompute"],
+                 enable_prefix_caching=[False, True], capacity=CAPACITY, vmap_runs=1, threads=2,
+                 progress=False, stats=stats)
+    assert [(r["enable_prefix_caching"], r["num_device_blocks"]) for r in rows] == [
+        (False, 12), (False, 32), (True, 12), (True, 32)]
+    assert stats["runs"] == 4 and stats["compiles"] >= 2
+    keys = ("num_device_blocks", "preemption_mode", "enable_prefix_caching")
+    for row in rows:
+        want = expected_row(row, keys)
+        want.pop("host_blocks_returned")
+        assert {k: row[k] for k in want} == want, row
+    assert [r["peak_device_blocks_used"] for r in rows[2:]] != [r["peak_device_blocks_used"] for r in rows[:2]] \
+        or [r["steps"] for r in rows[2:]] != [r["steps"] for r in rows[:2]]

@@ -79,6 +79,9 @@ def register(subparsers) -> None:
           "start:stop:step; None keeps the trace's")
     s("--block-size", metavar="VALUE", help="static: one value overrides the trace's")
     s("--enable-chunked-prefill", metavar="true|false", help="static: one value overrides the trace's")
+    s("--enable-prefix-caching", metavar="true|false[,...]",
+      help="prefix caching (SPEC A10): one value overrides the trace's; false,true sweeps both "
+           "(one compile each)")
     s("--capacity", metavar="K=V,...",
       help="static sizes, e.g. num_slots=256,num_device_blocks_capacity=1024")
     s("--step-cost", metavar="A,B,C,D", help="seconds per step = A + B*prefill_tokens + "
@@ -275,7 +278,8 @@ def cmd_sweep(args) -> int:
     from jaxsched.sim.trace import TraceError, load_trace
     from jaxsched.sim.workload import StepTimeModel
 
-    axes = {f: getattr(args, f) for f in (*SWEEP_FIELDS, *MEMORY_FIELDS, "block_size", "enable_chunked_prefill")
+    axes = {f: getattr(args, f) for f in (*SWEEP_FIELDS, *MEMORY_FIELDS, "block_size", "enable_chunked_prefill",
+                                          "enable_prefix_caching")
             if getattr(args, f, None) is not None}
     try:
         trace = load_trace(args.trace)
@@ -307,7 +311,7 @@ def cmd_sweep(args) -> int:
     except RuntimeError as e:
         print(_one_line(e), file=sys.stderr)
         return 1
-    fields = SWEEP_FIELDS[:2] + MEMORY_FIELDS + SWEEP_FIELDS[2:]
+    fields = ("enable_prefix_caching",) + SWEEP_FIELDS[:2] + MEMORY_FIELDS + SWEEP_FIELDS[2:]
     columns = [c for c in fields if c in rows[0]] + [c for c in TABLE_COLUMNS if c in rows[0]]
     print(f"swept {args.trace}: {len(rows)} runs")
     print(markdown_table(rows, columns))

@@ -136,17 +136,14 @@ def _chunk_inputs(trace: Trace, arrivals, start, k, width, cap: Capacity | None 
     cols = {f: np.zeros((k, width), np.int32) for f in ("request_index", "prompt_len", "n", "max_tokens")}
     valid = np.zeros((k, width), bool)
     arrival = np.zeros((k, width), np.float32)
-    # SPEC A10: prompt token ids (0 .. prompt_len - 1 where a request gives none), only read
-    # by a replay with prefix caching.
+    # SPEC A10: prompt token ids, only read by a replay with prefix caching.
     caching = cap is not None and cap.enable_prefix_caching
     tokens = np.zeros((k, width, cap.max_blocks_per_seq * cap.block_size) if caching else (0,), np.int32)
     for i in range(k):
         for j, idx in enumerate(arrivals.get(start + i, [])):
             r = trace.requests[idx]
             if caching:
-                ids = r.get("prompt_token_ids", range(r["prompt_len"]))
-                ids = np.asarray(ids, np.int32)[:tokens.shape[-1]]
-                tokens[i, j, :len(ids)] = ids
+                tokens[i, j] = trace.prompt_token_ids(idx, tokens.shape[-1])
             valid[i, j] = True
             cols["request_index"][i, j] = idx
             cols["prompt_len"][i, j] = r["prompt_len"]

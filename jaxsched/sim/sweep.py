@@ -77,6 +77,8 @@ SWEEP_FIELDS = ("preemption_mode", "max_num_seqs", "num_device_blocks", "num_hos
 MEMORY_FIELDS = ("gpu_memory_utilization", "swap_space")
 FLOAT_FIELDS = ("watermark", "delay_factor") + MEMORY_FIELDS
 STATIC_FIELDS = ("block_size", "enable_chunked_prefill", "artificial_preemption", "seed")
+# Static too, but an axis: one sweep per value (`_sweep_caching`).
+CACHING_FIELD = "enable_prefix_caching"
 # Per-step record of one run, int32[NUM_COLS] (a StepTimeModel reads prefill, decode, swaps).
 (C_FINISHED, C_RECOMPUTE, C_SWAP, C_SWAP_OUT, C_SWAP_IN, C_SWAPPED_IN, C_FREE_DEVICE,
  C_FREE_HOST, C_PREFILL_TOKENS, C_DECODE_SEQS, C_OVERFLOW) = range(11)
@@ -125,7 +127,7 @@ def _static_value(field: str, spec):
     value = values[0]
     if isinstance(value, str):
         text = value.strip().lower()
-        if field in ("enable_chunked_prefill", "artificial_preemption"):
+        if field in ("enable_chunked_prefill", "artificial_preemption", CACHING_FIELD):
             if text not in ("true", "false", "1", "0"):
                 raise SweepError(f"sweep: {field}: expected true or false, got {value!r}")
             return text in ("true", "1")
@@ -225,15 +227,19 @@ def sweep_capacity(trace: Trace, configs: list[SchedulerConfig], capacity: dict 
 
 # ----------------------------------------------------------------------------- the device loop
 
-def _batch_at(cols: jax.Array, arrival_time: jax.Array, t: jax.Array, width: int) -> RequestBatch:
-    """The requests arriving at step t: rows of `cols` (sorted by arrival step), padded to width."""
+def _batch_at(cols: jax.Array, arrival_time: jax.Array, tokens: jax.Array, t: jax.Array,
+              width: int) -> RequestBatch:
+    """The requests arriving at step t: rows of `cols` (sorted by arrival step), padded to width;
+    with prefix caching `tokens` (int32[N, M * block_size], else [N, 0]) are their prompts."""
     n = cols.shape[1]
     idx = jnp.searchsorted(cols[0], t, side="left") + jnp.arange(width, dtype=jnp.int32)
     safe = jnp.minimum(idx, n - 1)
     valid = (idx < n) & (cols[0, safe] == t)
     take = lambda row: jnp.where(valid, cols[row, safe], 0)
+    prompts = jnp.where(valid[:, None], tokens[safe], 0) if tokens.shape[1] else None
     return RequestBatch(valid=valid, request_index=take(1), prompt_len=take(2), n=take(3),
-                        max_tokens=take(4), arrival_time=jnp.where(valid, arrival_time[safe], 0.0))
+                        max_tokens=take(4), arrival_time=jnp.where(valid, arrival_time[safe], 0.0),
+                        prompt_tokens=prompts)
 
 
 def _run_record(state, out, overflow):
@@ -254,12 +260,12 @@ def _run_record(state, out, overflow):
     return record, finished, state.request_index, state.finish_reason, output_len
 
 
-def _step(carry, x, cols, arrival_time, cap, width):
+def _step(carry, x, cols, arrival_time, tokens, cap, width):
     """One replay step of one run (simulate's `replay_step`) and its int32[NUM_COLS] record."""
     # per_request: int32[4, N] finish step, reason, first-token step, output tokens at finish
     state, per_request = carry
     t, now = x
-    batch = _batch_at(cols, arrival_time, t, width)
+    batch = _batch_at(cols, arrival_time, tokens, t, width)
     # A request that found no free slot (slot index out of range) voids the run: more slots.
     record_of = lambda st, out, slots: _run_record(st, out, batch.valid & (slots >= st.status.shape[-1]))
     state, (record, finished, index, reason, output_len), _ = replay_step(state, batch, now, cap, record_of)
@@ -279,11 +285,11 @@ _EXECUTABLES: dict = {}
 
 
 @functools.partial(jax.jit, static_argnames=("cap", "width", "vmap_runs"), donate_argnums=(0,))
-def sweep_chunk(carry, cols, arrival_time, start, times, cap, width, vmap_runs):
+def sweep_chunk(carry, cols, arrival_time, tokens, start, times, cap, width, vmap_runs):
     """Steps start.. start+K-1 (K = len(times)) of every run of the batch.
 
     `carry` is (state, per_request) with a leading run axis; returns it and the records
-    int32[runs, K, NUM_COLS]. The trace (`cols`, `arrival_time`) and times are shared.
+    int32[runs, K, NUM_COLS]. The trace (`cols`, `arrival_time`, `tokens`) and times are shared.
     `vmap_runs` = 1: a `lax.map` over runs, each run's skips its own (a drained run skips
     the chunk). Else `jax.vmap` over groups of `vmap_runs` runs (a `lax.map` over the
     groups when that is fewer than all), traced under `batching.runs_axis`: every skip is
@@ -292,7 +298,7 @@ def sweep_chunk(carry, cols, arrival_time, start, times, cap, width, vmap_runs):
     steps = start + jnp.arange(times.shape[0], dtype=jnp.int32)
 
     def chunk(c):
-        return lax.scan(lambda c, x: _step(c, x, cols, arrival_time, cap, width), c, (steps, times))
+        return lax.scan(lambda c, x: _step(c, x, cols, arrival_time, tokens, cap, width), c, (steps, times))
 
     # Records of a drained run are not read past its end: skipping its chunk changes nothing.
     idle = lambda c: (c, jnp.zeros((times.shape[0], NUM_COLS), jnp.int32))   # noqa: E731
@@ -397,6 +403,10 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
     cols = np.stack([cols[0], np.arange(len(reqs)), *cols[1:]])[:, order].astype(np.int32)
     arrival_time = np.array([s * trace.step_time for s in steps[order]]).astype(np.float32)
     cols, arrival_time = jax.device_put(cols), jax.device_put(arrival_time)
+    # SPEC A10: the prompts, in arrival order, only where the runs cache prefixes.
+    tok_width = cap["max_blocks_per_seq"] * configs[0].block_size if configs[0].enable_prefix_caching else 0
+    tokens = jax.device_put(np.stack([trace.prompt_token_ids(int(i), tok_width) for i in order])
+                            if tok_width else np.zeros((len(reqs), 0), np.int32))
     width = pow2(max(8, np.bincount(steps).max()))
     done, last, chunks, start = np.zeros(runs, np.int64), np.zeros(runs, np.int64), [], 0
     final = np.zeros((runs, 4, len(reqs)), np.int32)
@@ -417,8 +427,9 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
                 break
             times = jnp.asarray(np.arange(start, start + CHUNK_STEPS, dtype=np.float32) * trace.step_time)
             first = jnp.int32(start)
-            exe = _executable((carries[0], cols, arrival_time, first, times), capacity, width, group, stats)
-            advance = lambda c: exe(c, cols, arrival_time, first, times)   # noqa: E731
+            exe = _executable((carries[0], cols, arrival_time, tokens, first, times), capacity, width,
+                              group, stats)
+            advance = lambda c: exe(c, cols, arrival_time, tokens, first, times)   # noqa: E731
             out = [advance(carries[0])] if shards == 1 else list(pool.map(advance, carries))
             carries = [c for c, _ in out]
             rec = np.concatenate([np.asarray(r) for _, r in out])
@@ -494,7 +505,11 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
     num_host_blocks, max_num_batched_tokens, max_model_len, watermark, delay_factor), each a
     list, one value or a spec string ("8,16,32" or "64:1024:64", inclusive). Fields not swept
     come from the trace's config; a static field (block_size, enable_chunked_prefill) may be
-    given one value, never a list. `capacity` fixes static sizes (see `sweep_capacity`).
+    given one value, never a list. `enable_prefix_caching` (SPEC A10) is static too but may
+    be a list ([False, True]): one sweep per value, rows in that order with the value (the
+    prompts hashed are the trace's `prompt_token_ids`, else 0 .. prompt_len - 1, as in
+    `simulate`; rows count the tokens the scheduler budgets, cached ones included, as vLLM's
+    scheduler does). `capacity` fixes static sizes (see `sweep_capacity`).
     `preemption_costs` (a core.costs.PreemptionCosts, its dict, or a JSON file written by
     `to_json`) replaces the trace's cost model of preemption_mode "auto" in every run.
     With a `workload.StepTimeModel` (any f(prefill_tokens, decode_seqs, swapped_blocks) ->
@@ -524,6 +539,12 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
         raise SweepError(f"sweep: {e}") from None
     if not parsed.requests:
         raise SweepError("sweep: the trace has no requests")
+    if CACHING_FIELD in axes:
+        return _sweep_caching(trace, axes.pop(CACHING_FIELD), stats, axes,
+                              dict(capacity=capacity, step_time_model=step_time_model,
+                                   vmap_runs=vmap_runs, threads=threads, progress=progress,
+                                   preemption_costs=preemption_costs, memory=memory,
+                                   slo_ttft=slo_ttft, slo_tpot=slo_tpot, per_request=per_request))
     static = {f: _static_value(f, axes.pop(f)) for f in list(axes) if f in STATIC_FIELDS}
     if preemption_costs is not None:
         static["preemption_costs"] = _costs(preemption_costs)
@@ -558,6 +579,25 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
     slo = (slo_ttft, slo_tpot) if slo_ttft is not None or slo_tpot is not None else None
     return [_row(p, c, records[i], per_request_[i], arrival, step_time_model, slo, per_request)
             for i, (p, c) in enumerate(zip(points, configs))]
+
+
+def _sweep_caching(trace: dict, spec, stats: dict | None, axes: dict, kwargs: dict) -> list[dict]:
+    """The `enable_prefix_caching` axis: the cached pools are compiled in or not (static), so
+    one sweep per value, rows in that order, each with the value; `stats` sums the times."""
+    values = spec.split(",") if isinstance(spec, str) else list(spec) if isinstance(spec, (list, tuple)) else [spec]
+    rows, total = [], {}
+    for value in values:
+        on = _static_value(CACHING_FIELD, value)
+        part: dict = {}
+        # A trace without caching in its config gets it here: the field overrides the config.
+        cfg = dict(trace, config=dict(trace["config"], **{CACHING_FIELD: on}))
+        rows += [dict(r, enable_prefix_caching=on) for r in sweep(cfg, stats=part, **kwargs, **axes)]
+        for k, v in part.items():
+            summed = k in ("wall_s", "compile_s", "run_s", "compiles", "runs", "run_steps", "stepped_run_steps")
+            total[k] = total.get(k, 0) + v if summed else v
+    if stats is not None:
+        stats.update(total)
+    return rows
 
 
 def _sweep_replay(parsed, configs, cap, capacity, vmap_runs, progress, threads, info):

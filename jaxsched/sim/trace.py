@@ -7,6 +7,8 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
+import numpy as np
+
 from jaxsched.core.config import SchedulerConfig
 
 # The config keys a generated trace writes: the scheduler limits vLLM's own replay of a
@@ -48,6 +50,13 @@ class Trace:
     def enable_prefix_caching(self) -> bool:
         """SPEC A10 (the config's switch)."""
         return self.scheduler_config.enable_prefix_caching
+
+    def prompt_token_ids(self, i: int, width: int) -> np.ndarray:
+        """Request i's prompt ids (SPEC A10: 0 .. prompt_len - 1 where it gives none), int32,
+        zero-padded or cut to `width`: what a replay with prefix caching hashes."""
+        r = self.requests[i]
+        ids = np.asarray(r.get("prompt_token_ids", range(r["prompt_len"])), np.int32)[:width]
+        return np.pad(ids, (0, width - len(ids)))
 
     def arrivals_by_step(self) -> dict[int, list[int]]:
         out = defaultdict(list)
