@@ -43,7 +43,8 @@ def step_output(**given) -> StepOutput:
                   seq_finish_reason=z(SLOTS, SEQS), finished=z(SLOTS, dt=bool), finish_reason=z(SLOTS),
                   ignore_reason=z(SLOTS), scheduled=z(SLOTS, dt=bool), num_scheduled_tokens=z(SLOTS),
                   preempted=z(SLOTS), swapped_in=z(SLOTS, dt=bool), num_swap_out=0, num_swap_in=0,
-                  num_copy=0, num_free_device_blocks=32, num_free_host_blocks=8, num_tokens=0)
+                  num_copy=0, num_free_device_blocks=32, num_free_host_blocks=8, num_tokens=0,
+                  num_cached_tokens=0, prefix_queried=0, prefix_hit=0)
     return StepOutput(**(fields | given))
 
 
