@@ -374,7 +374,7 @@ def finish_impl(state: EngineState, plan: StepPlan, logits, spec: EngineSpec):
         num_swap_in=out.num_swap_in, num_copy=out.num_copy,
         num_free_device_blocks=out.num_free_device_blocks,
         num_free_host_blocks=out.num_free_host_blocks, num_tokens=fb.num_valid,
-        num_cached_tokens=_cached_run(plan, out), prefix_queried=plan.reuse.queried,
+        num_cached_tokens=_cached_run(plan), prefix_queried=plan.reuse.queried,
         prefix_hit=plan.reuse.hit,
     )
     kv_key, kv_ready = state.kv_key, state.kv_ready
@@ -387,11 +387,11 @@ def finish_impl(state: EngineState, plan: StepPlan, logits, spec: EngineSpec):
     return state, result
 
 
-def _cached_run(plan: StepPlan, out) -> jax.Array:
+def _cached_run(plan: StepPlan) -> jax.Array:
     """Prefill tokens of this step's chunks that the prefix cache spared."""
+    # `skip` is 0 outside scheduled prefills, so their (unmasked) done_after counts nothing.
     start = plan.sched.prefill_done
-    end = start + jnp.where(out.scheduled & out.is_prefill, out.num_scheduled_tokens, 0)
-    return jnp.clip(jnp.minimum(plan.reuse.skip, end) - start, 0).sum(dtype=jnp.int32)
+    return jnp.clip(jnp.minimum(plan.reuse.skip, plan.fb.done_after) - start, 0).sum(dtype=jnp.int32)
 
 
 def step_impl(state: EngineState, params, new: NewRequests, now, spec: EngineSpec):

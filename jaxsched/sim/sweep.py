@@ -116,12 +116,16 @@ def _not_sweepable(field: str) -> str:
     return f"sweep: unknown field {field!r} (sweepable: {', '.join(SWEEP_FIELDS)})"
 
 
+def _static_values(spec) -> list:
+    """The values of a static field's spec: "a,b", a list or tuple, or one value."""
+    if isinstance(spec, str):
+        return spec.split(",")
+    return list(spec) if isinstance(spec, (list, tuple)) else [spec]
+
+
 def _static_value(field: str, spec):
     """One value of a static field (it overrides the trace's config); a list of several is an error."""
-    if isinstance(spec, str):
-        values = spec.split(",")
-    else:
-        values = list(spec) if isinstance(spec, (list, tuple)) else [spec]
+    values = _static_values(spec)
     if len(values) != 1:
         raise SweepError(_not_sweepable(field))
     value = values[0]
@@ -584,9 +588,8 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
 def _sweep_caching(trace: dict, spec, stats: dict | None, axes: dict, kwargs: dict) -> list[dict]:
     """The `enable_prefix_caching` axis: the cached pools are compiled in or not (static), so
     one sweep per value, rows in that order, each with the value; `stats` sums the times."""
-    values = spec.split(",") if isinstance(spec, str) else list(spec) if isinstance(spec, (list, tuple)) else [spec]
     rows, total = [], {}
-    for value in values:
+    for value in _static_values(spec):
         on = _static_value(CACHING_FIELD, value)
         part: dict = {}
         # A trace without caching in its config gets it here: the field overrides the config.
