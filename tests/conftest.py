@@ -1,23 +1,14 @@
 """Shared factories: configs, request traces, and a step-by-step driver that checks invariants."""
 from __future__ import annotations
 
-import atexit
 import os
-import shutil
-import tempfile
 
-# One persistent compilation cache for the whole run, in a fresh temporary directory: the
-# first process to compile a step (a test worker, a server or CLI it starts) stores it, and the
-# others load it instead of compiling it again; nothing lands in ~/.cache and no earlier run
-# is reused. The pytest process that starts the xdist workers makes the directory before they
-# start (they inherit the variable) and removes it at exit. The cache's file lock
-# (entrypoints/compilation_cache.py) keeps processes from reading each other's entries
-# half-written. A value already set (e.g. "off") is kept.
-if "PYTEST_XDIST_WORKER" not in os.environ and "JAXSCHED_COMPILATION_CACHE_DIR" not in os.environ:
-    _cache_dir = tempfile.mkdtemp(prefix="jaxsched-test-xla-")
-    os.environ["JAXSCHED_COMPILATION_CACHE_DIR"] = _cache_dir
-    atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
-os.environ.setdefault("JAXSCHED_COMPILATION_CACHE_DIR", "off")   # a worker started without one
+# No persistent compilation cache in the tests (the servers and CLIs they start inherit this):
+# each process compiles for itself and nothing lands in ~/.cache. XLA:CPU's executable
+# serialization, which every cache write runs, has crashed a test worker (abort once,
+# segfault once) in full runs with a cache shared across the run; a crashed worker loses its
+# file's results. The front ends keep the cache on by default.
+os.environ.setdefault("JAXSCHED_COMPILATION_CACHE_DIR", "off")
 # Many tiny fusions: XLA:CPU's concurrency scheduler only adds thread hand-offs and compile time.
 os.environ.setdefault("XLA_FLAGS", "--xla_cpu_enable_concurrency_optimized_scheduler=false")
 

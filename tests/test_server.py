@@ -28,8 +28,7 @@ from jaxsched.engine.params import SamplingParams
 MODEL = "smollm2-135m"
 KEY = "test-key"
 # One engine shape for both servers and the offline LLM; only the block counts differ, and
-# the pools' capacity is the same, so all three run the same executables: the first server
-# compiles them, the others load them from the run's compilation cache (conftest).
+# the pools' capacity is the same, so all three run the same executables.
 ENGINE = dict(block_size=16, max_num_seqs=8, num_slots=16, max_num_batched_tokens=64, max_model_len=256,
               num_device_blocks_capacity=64, num_host_blocks_capacity=64)
 ROOMY = dict(ENGINE, num_device_blocks=64, num_host_blocks=64)
@@ -49,6 +48,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _die_with_parent() -> None:
+    """In the server's child process, before exec: if the test worker dies (a crash skips the
+    fixture's stop), the kernel sends the server SIGTERM, its clean shutdown, instead of
+    leaving it serving nobody. Linux only; elsewhere the fixture's stop is all there is."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def _start(engine: dict, *extra: str, env: dict | None = None):
     pytest.importorskip("fastapi")
     from models.gguf import find_smollm2_gguf
@@ -60,7 +69,7 @@ def _start(engine: dict, *extra: str, env: dict | None = None):
     cmd = [sys.executable, "-m", "jaxsched.entrypoints.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
            *_flags(engine), *extra]
     proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True, preexec_fn=_die_with_parent)
     base = f"http://127.0.0.1:{port}"
     from jaxsched.entrypoints.openai_server import wait_until_healthy
     if wait_until_healthy(base, proc, START_TIMEOUT_S):
