@@ -48,14 +48,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# Looked up here, not in the child: between fork and exec the child may only call into C
+# (dlopen there could wait forever on a lock another thread of the worker held at the fork).
+_PRCTL = __import__("ctypes").CDLL(None).prctl if sys.platform.startswith("linux") else None
+PR_SET_PDEATHSIG = 1
+
+
 def _die_with_parent() -> None:
     """In the server's child process, before exec: if the test worker dies (a crash skips the
     fixture's stop), the kernel sends the server SIGTERM, its clean shutdown, instead of
     leaving it serving nobody. Linux only; elsewhere the fixture's stop is all there is."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if _PRCTL is not None:
+        _PRCTL(PR_SET_PDEATHSIG, int(signal.SIGTERM))
 
 
 def _start(engine: dict, *extra: str, env: dict | None = None):
