@@ -72,7 +72,10 @@ def _start(engine: dict, *extra: str, env: dict | None = None):
     port = _free_port()
     cmd = [sys.executable, "-m", "jaxsched.entrypoints.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
            *_flags(engine), *extra]
-    proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
+    # The server runs with the XLA flags a user's does (the CLI's default), not the suite's
+    # compile-fast ones: 48 streams of SmolLM2 at LLVM -O0 take longer than the compile saves.
+    env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, **(env or {})}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, preexec_fn=_die_with_parent)
     base = f"http://127.0.0.1:{port}"
     from jaxsched.entrypoints.openai_server import wait_until_healthy
