@@ -23,7 +23,8 @@ from jaxsched.core import batching
 from jaxsched.core.requests import (RequestBatch, add_requests, free_finished, free_finished_impl,
                                     update, update_impl)
 from jaxsched.core.scheduler import schedule_impl, schedule_step
-from jaxsched.core.state import FINISH_NAMES, FINISHED, IGNORE_REASONS, IGNORED, init_state
+from jaxsched.core.state import (FINISH_NAMES, FINISHED, IGNORE_REASONS, IGNORED, RUNNING, SWAPPED,
+                                 WAITING, init_state)
 from jaxsched.sim.capacity import replay_capacity
 from jaxsched.sim.trace import Trace, parse_trace
 
@@ -76,12 +77,27 @@ def sim_step(state, batch: RequestBatch, now, cap: Capacity, check: bool = False
 
 
 @functools.partial(jax.jit, static_argnames=("cap", "check"), donate_argnums=(0,))
-def run_chunk(state, batches: RequestBatch, times, cap: Capacity, check: bool = False):
-    """`sim_step` for every row of `batches` ([K, R] leaves) inside one lax.scan."""
+def run_chunk(state, batches: RequestBatch, times, arrivals_left, cap: Capacity, check: bool = False):
+    """`sim_step` for every row of `batches` ([K, R] leaves) inside one lax.scan.
+
+    `arrivals_left` (bool[K]) says whether any request arrives at or after each step. A step
+    with none left and no group waiting, running or swapped is past the trace's last finish:
+    it is skipped (its all-zero record is past what `_report` reads), so the last chunk's
+    tail costs a `lax.cond` per step instead of a scheduler step.
+    """
     def body(st, x):
-        batch, now = x
-        return sim_step(st, batch, now, cap, check)
-    return lax.scan(body, state, (batches, times))
+        batch, now, left = x
+        live = ((st.status == WAITING) | (st.status == RUNNING) | (st.status == SWAPPED)).any()
+        return lax.cond(left | live, lambda s: sim_step(s, batch, now, cap, check),
+                        lambda s: (s, _drained_record(s)), st)
+    return lax.scan(body, state, (batches, times, arrivals_left))
+
+
+def _drained_record(state):
+    """sim_step's outputs, all zero, for a skipped step."""
+    g = state.status.shape[0]
+    return (jnp.zeros((NUM_ROWS, g), jnp.int32), jnp.zeros((2,), jnp.int32),
+            jnp.zeros((len(CHECKS),), bool))
 
 
 def _capacity_for(trace: Trace, overrides: dict | None) -> SchedulerConfig:
@@ -107,6 +123,7 @@ def simulate(config: dict | SchedulerConfig, requests: list[dict], *, step_time:
     cfg = _capacity_for(trace, capacity)
     cap = cfg.capacity()
     arrivals = trace.arrivals_by_step()
+    last_arrival = max(arrivals, default=-1)
     width = max(8, max((len(v) for v in arrivals.values()), default=1))
     width = 1 << math.ceil(math.log2(width))
     # Committed like the scan's outputs, so the second chunk reuses the first one's executable.
@@ -120,7 +137,8 @@ def simulate(config: dict | SchedulerConfig, requests: list[dict], *, step_time:
                                f"unfinished after max_steps={trace.max_steps}")
         k = min(CHUNK_STEPS, trace.max_steps - step)
         batches, times = _chunk_inputs(trace, arrivals, step, k, width, cap)
-        state, (rec, free, flags) = run_chunk(state, batches, times, cap=cap, check=check_invariants)
+        left = jnp.asarray(np.arange(step, step + k) <= last_arrival)
+        state, (rec, free, flags) = run_chunk(state, batches, times, left, cap=cap, check=check_invariants)
         rec, free, flags = np.asarray(rec), np.asarray(free), np.asarray(flags)
         if flags.any():
             bad = int(np.nonzero(flags.any(1))[0][0])
