@@ -20,9 +20,11 @@ from jaxsched.core.state import ABORTED, FINISHED, IGNORED, RUNNING, SWAPPED, WA
 from conftest import drive, make_config, make_requests
 from goldens import assert_replays_golden, assert_same_steps, golden_cases, load
 
-# One capacity per (block size, mode) so the golden traces share compiled steps.
+# One capacity and arrival width (the largest burst is 24) so that the golden traces share
+# a compiled step per (block size, chunked, prefix caching).
 GOLDEN_CAPACITY = dict(num_slots=64, max_seqs_per_group=4, max_blocks_per_seq=64,
                        num_device_blocks_capacity=128, num_host_blocks_capacity=192)
+GOLDEN_WIDTH = 32
 
 
 @pytest.mark.parametrize("name", golden_cases(prefix_caching=True))
@@ -31,8 +33,17 @@ def test_simulate__replays_golden(name):
     end within the budget. Invariants checked after every step. The prefix-* goldens replay
     with prefix caching on (their config says so), the others with it off."""
     trace = load(name)
-    got = simulate(trace["config"], trace["requests"], capacity=GOLDEN_CAPACITY, check_invariants=True)
+    got = simulate(trace["config"], trace["requests"], capacity=GOLDEN_CAPACITY,
+                   arrival_width=GOLDEN_WIDTH, check_invariants=True)
     assert_replays_golden(name, got, statuses={"finished_length_capped", "finished_ignored"})
+
+
+def test_simulate__an_arrival_width_below_a_burst_is_refused_before_compiling():
+    config = dict(block_size=16, num_device_blocks=8, num_host_blocks=0, max_num_seqs=4,
+                  max_num_batched_tokens=64, max_model_len=64)
+    requests = [{"id": f"r{i}", "arrival_step": 0, "prompt_len": 4, "max_tokens": 2, "n": 1} for i in range(3)]
+    with pytest.raises(ValueError, match="arrival_width=2 is below the trace's 3 arrivals"):
+        simulate(config, requests, arrival_width=2)
 
 
 def test_golden_trace__invariants_hold_after_every_step():
@@ -203,7 +214,8 @@ def test_watermark_band__group_that_can_never_pass_is_ignored_not_stalled():
              "requests": [{"id": "a", "arrival_step": 0, "prompt_len": 4, "max_tokens": 60, "n": 1},
                           {"id": "b", "arrival_step": 0, "prompt_len": 44, "max_tokens": 60, "n": 2}]}
     expected = simulate_reference(json.loads(json.dumps(trace)))
-    got = simulate(trace["config"], trace["requests"], capacity=GOLDEN_CAPACITY, check_invariants=True)
+    got = simulate(trace["config"], trace["requests"], capacity=GOLDEN_CAPACITY,
+                   arrival_width=GOLDEN_WIDTH, check_invariants=True)
     assert expected["requests"]["b"]["status"] == "finished_ignored"
     assert_same_steps(got, expected)
 

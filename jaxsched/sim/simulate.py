@@ -110,13 +110,15 @@ def _capacity_for(trace: Trace, overrides: dict | None) -> SchedulerConfig:
 
 def simulate(config: dict | SchedulerConfig, requests: list[dict], *, step_time: float = 1.0,
              max_steps: int = 100_000, capacity: dict | None = None,
-             check_invariants: bool = False) -> dict:
+             arrival_width: int | None = None, check_invariants: bool = False) -> dict:
     """Replay requests through the jitted scheduler; returns the `simulate` output dict.
 
     `config` is a trace's config dict (it may carry step_time and max_steps) or a
     SchedulerConfig. `capacity` overrides static sizes (num_slots, max_seqs_per_group,
-    max_blocks_per_seq, ...) so that many traces share one compiled step. With
-    `check_invariants`, every step is checked on device and the first violation raises.
+    max_blocks_per_seq, ...) and `arrival_width` the rows of arrivals a step takes (default:
+    the trace's largest burst rounded up to a power of two, at least 8), so that many traces
+    share one compiled step. With `check_invariants`, every step is checked on device and the
+    first violation raises.
     """
     trace = parse_trace({"config": config, "requests": requests}, step_time=step_time,
                         max_steps=max_steps)
@@ -124,8 +126,13 @@ def simulate(config: dict | SchedulerConfig, requests: list[dict], *, step_time:
     cap = cfg.capacity()
     arrivals = trace.arrivals_by_step()
     last_arrival = max(arrivals, default=-1)
-    width = max(8, max((len(v) for v in arrivals.values()), default=1))
-    width = 1 << math.ceil(math.log2(width))
+    burst = max((len(v) for v in arrivals.values()), default=1)
+    if arrival_width is None:
+        arrival_width = 1 << math.ceil(math.log2(max(8, burst)))
+    elif arrival_width < burst:
+        raise ValueError(f"simulate: arrival_width={arrival_width} is below the trace's {burst} "
+                         f"arrivals at one step")
+    width = arrival_width
     # Committed like the scan's outputs, so the second chunk reuses the first one's executable.
     state = jax.device_put(init_state(cfg), jax.devices()[0])
     records, frees = [], []
