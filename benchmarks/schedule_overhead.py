@@ -30,8 +30,8 @@ import platform
 import sys
 import time
 
-# Many tiny fusions: XLA:CPU's concurrency-optimized scheduler only adds thread hand-offs.
-os.environ.setdefault("XLA_FLAGS", "--xla_cpu_enable_concurrency_optimized_scheduler=false")
+from jaxsched.entrypoints.xla_flags import use_xla_flags  # noqa: E402
+use_xla_flags()
 
 import jax  # noqa: E402
 

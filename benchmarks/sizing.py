@@ -21,7 +21,8 @@ Results: benchmarks/results/sizing.{md,json}.
 """
 import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_cpu_enable_concurrency_optimized_scheduler=false")
+from jaxsched.entrypoints.xla_flags import use_xla_flags  # noqa: E402
+use_xla_flags()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import pathlib  # noqa: E402

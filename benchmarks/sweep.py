@@ -36,7 +36,8 @@ import pathlib
 import platform
 import time
 
-os.environ.setdefault("XLA_FLAGS", "--xla_cpu_enable_concurrency_optimized_scheduler=false")
+from jaxsched.entrypoints.xla_flags import use_xla_flags  # noqa: E402
+use_xla_flags()
 
 import jax  # noqa: E402
 

@@ -40,8 +40,8 @@ stdout (the table then goes to stderr). --quick: 16/32 requests, nothing saved.
 
 import os
 
-# Many tiny fusions: XLA:CPU's concurrency scheduler only adds thread hand-offs and compile time.
-os.environ.setdefault("XLA_FLAGS", "--xla_cpu_enable_concurrency_optimized_scheduler=false")
+from jaxsched.entrypoints.xla_flags import use_xla_flags  # noqa: E402
+use_xla_flags()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402

@@ -107,7 +107,8 @@ def _emit(result: dict) -> None:
 
 
 def worker_jaxsched(spec: dict) -> dict:
-    os.environ.setdefault("XLA_FLAGS", "--xla_cpu_enable_concurrency_optimized_scheduler=false")
+    from jaxsched.entrypoints.xla_flags import use_xla_flags
+    use_xla_flags()
     import jax
 
     jax.config.update("jax_cpu_enable_async_dispatch", False)

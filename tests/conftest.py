@@ -14,11 +14,12 @@ os.environ.setdefault("JAXSCHED_COMPILATION_CACHE_DIR", "off")
 # emitters and LLVM at -O0 compile the scheduler's step about 2.5x faster, and engine/parity
 # files run about 35% faster end to end, though each step runs slower. Semantics do not change
 # (the same HLO: the scheduler's integer decisions are exact, and the parity checks against
-# torch hold at the same tolerances). The concurrency scheduler only adds thread hand-offs for
-# many tiny fusions. The sharding workers the tests start inherit these flags; the servers do
+# torch hold at the same tolerances); they come after the front ends' own
+# (`xla_flags.CPU_FLAGS`). The sharding workers the tests start inherit these flags; the servers do
 # not (test_server.py: they run long enough that -O0 costs more than it saves).
-os.environ.setdefault("XLA_FLAGS", "--xla_cpu_enable_concurrency_optimized_scheduler=false "
-                      "--xla_cpu_use_fusion_emitters=false --xla_backend_optimization_level=0")
+from jaxsched.entrypoints.xla_flags import use_xla_flags  # noqa: E402
+
+use_xla_flags("--xla_cpu_use_fusion_emitters=false", "--xla_backend_optimization_level=0")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

@@ -320,3 +320,11 @@ def test_cli__prefix_caching_and_capacity_flags_reach_the_engine_and_the_sweep(m
     trace.write_text(json.dumps(_trace()))
     assert cli.main(["sweep", str(trace), "--enable-prefix-caching", "false,true", "--no-progress"]) == 0
     assert seen["enable_prefix_caching"] == "false,true"
+
+
+def test_xla_flags__a_users_xla_flags_win_and_the_defaults_are_set_otherwise(monkeypatch):
+    from jaxsched.entrypoints.xla_flags import CPU_FLAGS, use_xla_flags
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=somewhere")
+    assert use_xla_flags("--extra") == "--xla_dump_to=somewhere"
+    monkeypatch.delenv("XLA_FLAGS")
+    assert use_xla_flags("--extra").split() == [*CPU_FLAGS, "--extra"]

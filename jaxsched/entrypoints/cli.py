@@ -16,9 +16,10 @@ import time
 from importlib import resources
 from pathlib import Path
 
+from jaxsched.entrypoints.xla_flags import use_xla_flags
+
 DEFAULT_TRACE = "swap-pressure.json"
-# Read when the backend starts (first computation), so setting it here still takes effect.
-os.environ.setdefault("XLA_FLAGS", "--xla_cpu_enable_concurrency_optimized_scheduler=false")
+use_xla_flags()
 
 
 def _bundled_trace(name: str) -> Path:
