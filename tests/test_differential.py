@@ -21,7 +21,12 @@ from hypothesis import strategies as st
 from jaxsched import add_requests, free_finished, init_state, make_batch, parse_trace, simulate, update
 from jaxsched.core.scheduler import schedule_impl
 from jaxsched.core.state import FINISHED
-from conftest import TEST_CAPACITY
+from conftest import TEST_CAPACITY as _SHARED_CAPACITY
+
+# The traces' own bounds (max_model_len 512 at 16-token blocks: 33 blocks; at most 64 device
+# and 120 host blocks; 20 requests): a smaller state than the suite's shared capacity, so each
+# of the file's several hundred replays steps faster.
+TEST_CAPACITY = dict(_SHARED_CAPACITY, max_blocks_per_seq=33, num_device_blocks_capacity=64)
 from goldens import assert_same_steps
 from jaxsched.sim.reference import simulate_reference
 
