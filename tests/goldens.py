@@ -6,6 +6,7 @@ must serve every request to the end within the budget (SPEC part B).
 """
 from __future__ import annotations
 
+import functools
 import json
 from collections import Counter
 from pathlib import Path
@@ -44,6 +45,27 @@ def golden_cases(prefix_caching: bool = False) -> list:
 def load(name: str, kind: str = "trace") -> dict:
     """`kind` is "trace" or "vllm"."""
     return json.loads((GOLDEN_DIR / f"{name}.{kind}.json").read_text())
+
+
+@functools.cache
+def _needs(name: str) -> tuple[tuple, dict]:
+    """(the golden's group: block size, chunked prefill, prefix caching; the static sizes its
+    replay alone needs)."""
+    from jaxsched.sim.capacity import replay_capacity
+    from jaxsched.sim.trace import parse_trace
+    trace = parse_trace(load(name))
+    cfg = trace.scheduler_config
+    return ((cfg.block_size, cfg.enable_chunked_prefill, cfg.enable_prefix_caching),
+            replay_capacity(trace, [cfg], restarts=False))
+
+
+def golden_capacity(name: str) -> dict:
+    """Static sizes for replaying golden `name`: the smallest that hold every golden of its
+    group, whose replays then share one compiled step and step a state no larger than the
+    group needs."""
+    group = _needs(name)[0]
+    needs = [need for other in _names() for g, need in [_needs(other)] if g == group]
+    return {k: max(need[k] for need in needs) for k in needs[0]}
 
 
 def assert_replays_golden(name: str, got: dict, statuses=FINAL_STATUSES) -> None:

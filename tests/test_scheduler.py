@@ -18,12 +18,10 @@ from jaxsched import (SchedulerConfig, TraceError, abort, add_requests, check_in
 from jaxsched.core.scheduler import schedule_impl
 from jaxsched.core.state import ABORTED, FINISHED, IGNORED, RUNNING, SWAPPED, WAITING
 from conftest import drive, make_config, make_requests
-from goldens import assert_replays_golden, assert_same_steps, golden_cases, load
+from goldens import assert_replays_golden, assert_same_steps, golden_capacity, golden_cases, load
 
-# One capacity and arrival width (the largest burst is 24) so that the golden traces share
-# a compiled step per (block size, chunked, prefix caching).
-GOLDEN_CAPACITY = dict(num_slots=64, max_seqs_per_group=4, max_blocks_per_seq=64,
-                       num_device_blocks_capacity=128, num_host_blocks_capacity=192)
+# One arrival width (the largest burst is 24) and a capacity per group (`golden_capacity`),
+# so that the golden traces share a compiled step per (block size, chunked, prefix caching).
 GOLDEN_WIDTH = 32
 
 
@@ -33,7 +31,7 @@ def test_simulate__replays_golden(name):
     end within the budget. Invariants checked after every step. The prefix-* goldens replay
     with prefix caching on (their config says so), the others with it off."""
     trace = load(name)
-    got = simulate(trace["config"], trace["requests"], capacity=GOLDEN_CAPACITY,
+    got = simulate(trace["config"], trace["requests"], capacity=golden_capacity(name),
                    arrival_width=GOLDEN_WIDTH, check_invariants=True)
     assert_replays_golden(name, got, statuses={"finished_length_capped", "finished_ignored"})
 
@@ -214,8 +212,7 @@ def test_watermark_band__group_that_can_never_pass_is_ignored_not_stalled():
              "requests": [{"id": "a", "arrival_step": 0, "prompt_len": 4, "max_tokens": 60, "n": 1},
                           {"id": "b", "arrival_step": 0, "prompt_len": 44, "max_tokens": 60, "n": 2}]}
     expected = simulate_reference(json.loads(json.dumps(trace)))
-    got = simulate(trace["config"], trace["requests"], capacity=GOLDEN_CAPACITY,
-                   arrival_width=GOLDEN_WIDTH, check_invariants=True)
+    got = simulate(trace["config"], trace["requests"], check_invariants=True)
     assert expected["requests"]["b"]["status"] == "finished_ignored"
     assert_same_steps(got, expected)
 
