@@ -64,7 +64,7 @@ def golden_capacity(name: str) -> dict:
     group, whose replays then share one compiled step and step a state no larger than the
     group needs."""
     group = _needs(name)[0]
-    needs = [need for other in _names() for g, need in [_needs(other)] if g == group]
+    needs = [_needs(other)[1] for other in _names() if _needs(other)[0] == group]
     return {k: max(need[k] for need in needs) for k in needs[0]}
 
 

@@ -22,11 +22,6 @@ from jaxsched import add_requests, free_finished, init_state, make_batch, parse_
 from jaxsched.core.scheduler import schedule_impl
 from jaxsched.core.state import FINISHED
 from conftest import TEST_CAPACITY as _SHARED_CAPACITY
-
-# The traces' own bounds (max_model_len 512 at 16-token blocks: 33 blocks; at most 64 device
-# and 120 host blocks; 20 requests): a smaller state than the suite's shared capacity, so each
-# of the file's several hundred replays steps faster.
-TEST_CAPACITY = dict(_SHARED_CAPACITY, max_blocks_per_seq=33, num_device_blocks_capacity=64)
 from goldens import assert_same_steps
 from jaxsched.sim.reference import simulate_reference
 
@@ -42,6 +37,11 @@ AUTO_COSTS = [
 
 
 BLOCK_SIZE = 16
+# The traces' own bounds (max_model_len up to 512: 33 blocks; at most 64 device and 120 host
+# blocks; 20 requests): a smaller state than the suite's shared capacity, so each of the
+# file's several hundred replays steps faster.
+TEST_CAPACITY = dict(_SHARED_CAPACITY, max_blocks_per_seq=-(-(512 + 1) // BLOCK_SIZE),
+                     num_device_blocks_capacity=64)
 
 
 def edge_lengths(budget: int) -> list[int]:

@@ -11,7 +11,7 @@ from jax import lax
 
 from jaxsched.core.block_pool import entry_valid
 from jaxsched.core.config import SchedulerConfig
-from jaxsched.core.state import EMPTY, FINISHED, RUNNING, SWAPPED, WAITING, SchedulerState
+from jaxsched.core.state import EMPTY, FINISHED, RUNNING, SWAPPED, SchedulerState, is_live
 
 CHECKS = (
     "device ref counts equal block-table references",
@@ -82,7 +82,7 @@ def invariant_violations(state: SchedulerState, output=None) -> jax.Array:
     on_host = valid & (status == SWAPPED)[:, None, None]
     dev_refs, dev_pool = _pool_checks(state.device_ref, state.block_table, on_device, lim.num_device_blocks)
     host_refs, host_pool = _pool_checks(state.host_ref, state.host_table, on_host, lim.num_host_blocks)
-    live = (status == WAITING) | (status == RUNNING) | (status == SWAPPED)
+    live = is_live(status)
     known = live | (status == EMPTY) | (status == FINISHED)
     one_state = (~known.all() | (alive.any(1) != live).any() | (valid & ~(on_device | on_host)).any()
                  | ((state.block_table != 0) & ~on_device).any() | ((state.host_table != 0) & ~on_host).any())

@@ -19,7 +19,7 @@ from jaxsched.core import prefix_cache
 from jaxsched.core.block_pool import add_refs, entry_valid, exclusive_cumsum
 from jaxsched.core.state import (ABORTED, EMPTY, FINISHED, IGNORE_NEVER_FITS, IGNORE_TOO_MANY_SEQS,
                             IGNORED, LENGTH_CAPPED, RUNNING, STOPPED, SWAPPED, WAITING,
-                            SchedulerState)
+                            SchedulerState, is_live)
 
 
 @struct.dataclass
@@ -247,7 +247,7 @@ free_finished = jax.jit(free_finished_impl)
 def abort(state: SchedulerState, mask: jax.Array) -> SchedulerState:
     """Finish the masked groups (aborted) from whichever queue holds them; free their blocks."""
     width = state.block_table.shape[2]
-    live = mask & ((state.status == WAITING) | (state.status == RUNNING) | (state.status == SWAPPED))
+    live = mask & is_live(state.status)
     entries = entry_valid(state.num_blocks, state.seq_alive & live[:, None], width)
     on_device = entries & (state.status == RUNNING)[:, None, None]
     on_host = entries & (state.status == SWAPPED)[:, None, None]

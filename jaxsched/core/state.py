@@ -79,6 +79,11 @@ IGNORE_REASONS = {
 }
 
 
+def is_live(status: jax.Array) -> jax.Array:
+    """Slots that a queue holds (waiting, running or swapped); bool, the shape of `status`."""
+    return (status == WAITING) | (status == RUNNING) | (status == SWAPPED)
+
+
 @struct.dataclass
 class Limits:
     """Per-run limits: arrays, so changing them never recompiles (all shape=(), int32 unless noted).

@@ -23,8 +23,7 @@ from jaxsched.core import batching
 from jaxsched.core.requests import (RequestBatch, add_requests, free_finished, free_finished_impl,
                                     update, update_impl)
 from jaxsched.core.scheduler import schedule_impl, schedule_step
-from jaxsched.core.state import (FINISH_NAMES, FINISHED, IGNORE_REASONS, IGNORED, RUNNING, SWAPPED,
-                                 WAITING, init_state)
+from jaxsched.core.state import FINISH_NAMES, FINISHED, IGNORE_REASONS, IGNORED, init_state, is_live
 from jaxsched.sim.capacity import replay_capacity
 from jaxsched.sim.trace import Trace, parse_trace
 
@@ -87,8 +86,7 @@ def run_chunk(state, batches: RequestBatch, times, arrivals_left, cap: Capacity,
     """
     def body(st, x):
         batch, now, left = x
-        live = ((st.status == WAITING) | (st.status == RUNNING) | (st.status == SWAPPED)).any()
-        return lax.cond(left | live, lambda s: sim_step(s, batch, now, cap, check),
+        return lax.cond(left | is_live(st.status).any(), lambda s: sim_step(s, batch, now, cap, check),
                         lambda s: (s, _drained_record(s)), st)
     return lax.scan(body, state, (batches, times, arrivals_left))
 
