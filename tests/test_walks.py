@@ -51,3 +51,23 @@ def test_running_walk__closed_form_equals_the_loop():
     assert bool((fails_alone & head & goes_on).any()), "B5: a lone prefill by recompute goes on"
     assert bool((fails_alone & ~head & everyone_out).any()), "B5: by swap it is preempted"
     assert not bool((fails_alone & head & everyone_out).any())
+
+
+def test_sorted_slots__comparison_count_equals_the_sort():
+    """The queue order by counting smaller keys (up to 256 slots) is lax.sort's order, ties in
+    every leading key included; above the threshold it is the sort itself."""
+    from jax import lax
+
+    from jaxsched.core.walks import RANK_BY_COMPARISON_UP_TO, _sorted_slots
+
+    rng = np.random.default_rng(1)
+    sorted_slots = jax.jit(_sorted_slots)
+    for g in (1, 7, 128, RANK_BY_COMPARISON_UP_TO, RANK_BY_COMPARISON_UP_TO + 1):
+        for _ in range(5):
+            queue = rng.integers(0, 4, g)
+            keys = (jnp.asarray(queue, jnp.int32),
+                    jnp.asarray(np.where(queue == 0, 0.0, rng.integers(0, 5, g) * 0.5), jnp.float32),
+                    jnp.asarray(rng.integers(0, 6, g), jnp.int32),
+                    jnp.asarray(rng.permutation(g), jnp.int32))
+            want = lax.sort(keys, num_keys=4)[-1]
+            np.testing.assert_array_equal(sorted_slots(keys), want)

@@ -237,6 +237,30 @@ def _sort_keys(state: SchedulerState, slots):
     return queue, arrival, jnp.where(queue < 3, jnp.take(state.queue_key, slots), 0), slots
 
 
+# Up to this many slots the order comes from counting, for each slot, the slots whose keys
+# are smaller (one fused [G, G] comparison); above it from a sort.
+RANK_BY_COMPARISON_UP_TO = 256
+
+
+def _sorted_slots(keys) -> jax.Array:
+    """int32[G]: the slots (the last key, distinct) in lexicographic order of `keys`.
+
+    NOTE: XLA:CPU sorts through a comparator call per pair: at 128 slots with four keys the
+    sort costs 14-24 us, the largest single op of a sweep's step; the comparison count is a
+    few us and its scatter of G positions is one small kernel.
+    """
+    g = keys[-1].shape[0]
+    if g > RANK_BY_COMPARISON_UP_TO:
+        return lax.sort(keys, num_keys=len(keys))[-1]
+    mine = [k[:, None] for k in keys]                # row: the slot being ranked
+    theirs = [k[None, :] for k in keys]              # column: every other slot
+    less = theirs[-1] < mine[-1]
+    for a, b in zip(reversed(theirs[:-1]), reversed(mine[:-1])):
+        less = (a < b) | ((a == b) & less)
+    rank = less.astype(jnp.float32).sum(axis=1).astype(jnp.int32)   # exact: G < 2**24
+    return jnp.zeros((g,), jnp.int32).at[rank].set(keys[-1].astype(jnp.int32), mode="drop")
+
+
 def queues(state: SchedulerState, counts: jax.Array, cached=None) -> Queues:
     """Sort slots by (queue, arrival for running/swapped, queue_key, slot), unless the
     order cached in the state still is sorted (the common case: a steady step keeps it).
@@ -247,7 +271,7 @@ def queues(state: SchedulerState, counts: jax.Array, cached=None) -> Queues:
     if cached is None:
         cached, fresh = order_is_cached(state)
         # Sorting a sorted order gives it back (the slot index breaks ties).
-        cached = batching.cond(~fresh, lambda: lax.sort(_sort_keys(state, idx), num_keys=4)[-1],
+        cached = batching.cond(~fresh, lambda: _sorted_slots(_sort_keys(state, idx)),
                                lambda: cached, same=True)
     pos = jnp.zeros((g,), jnp.int32).at[cached].set(idx)
     count = counts
