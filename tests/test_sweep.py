@@ -260,3 +260,22 @@ def test_sweep__prefix_caching_is_an_axis_and_every_run_equals_simulate():
         assert {k: row[k] for k in want} == want, row
     assert [r["peak_device_blocks_used"] for r in rows[2:]] != [r["peak_device_blocks_used"] for r in rows[:2]] \
         or [r["steps"] for r in rows[2:]] != [r["steps"] for r in rows[:2]]
+
+
+def test_sweep_capacity__grids_of_nearby_pool_sizes_share_one_capacity():
+    """Pools round up to powers of two, so these grids reuse one compiled chunk (in memory and
+    in the persistent cache) and every run still hands out only its own blocks."""
+    from jaxsched.sim.sweep import make_grid, parse_values, sweep_capacity
+    from jaxsched.sim.trace import parse_trace
+
+    parsed = parse_trace(TRACE)
+
+    def capacity(blocks, host):
+        axes = dict(num_device_blocks=blocks, num_host_blocks=host)
+        _, configs = make_grid(parsed.scheduler_config, {k: parse_values(k, v) for k, v in axes.items()})
+        return sweep_capacity(parsed, configs)
+
+    caps = [capacity("8,20", "16"), capacity("8,24", "12"), capacity("17,32", "9")]
+    assert caps[0] == caps[1] == caps[2]
+    assert (caps[0]["num_device_blocks_capacity"], caps[0]["num_host_blocks_capacity"]) == (32, 16)
+    assert capacity("8,33", "16")["num_device_blocks_capacity"] == 64

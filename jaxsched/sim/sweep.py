@@ -220,6 +220,10 @@ def sweep_capacity(trace: Trace, configs: list[SchedulerConfig], capacity: dict 
     }
     # num_slots is a guess: more alive requests than slots restarts the sweep with twice as many.
     cap = replay_capacity(trace, configs, restarts=True)
+    # Pools rounded up to powers of two, so grids of nearby sizes share one compiled chunk
+    # (in this process and in the persistent cache); a run never hands out blocks past its own.
+    for key in ("num_device_blocks_capacity", "num_host_blocks_capacity"):
+        cap[key] = pow2(cap[key])
     for key, value in (capacity or {}).items():
         if key not in least:
             raise SweepError(f"sweep: unknown capacity field {key!r} (expected one of {', '.join(least)})")
