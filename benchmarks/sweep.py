@@ -20,7 +20,10 @@ prompts of ~60 and outputs of ~25 tokens, 20% of requests with n in 2..4), swept
                  timed and extrapolated to the map path's run-steps
 
 Compile time (tracing and XLA) is the sweep's own `stats['compile_s']`, apart from the wall
-time of the runs. Run-steps are the steps each run takes to drain, summed over the grid.
+time of the runs. A second table starts fresh processes on the 64-configuration map sweep with
+the persistent compilation cache (as `jaxsched sweep` has it) in an empty directory: the first
+start compiles, a second start of the same grid and a start of another grid of the same
+capacity load the executable from disk. Run-steps are the steps each run takes to drain, summed over the grid.
 Every timed python-loop and simulate run is checked against the sweep's row for its
 configuration (steps and preemptions). Results go to benchmarks/results/sweep.{json,md} and
 the plot of cost per run-step against grid size to sweep_scaling.png; the rows of the
@@ -34,6 +37,9 @@ import json
 import os
 import pathlib
 import platform
+import subprocess
+import sys
+import tempfile
 import time
 
 from jaxsched.entrypoints.xla_flags import use_xla_flags  # noqa: E402
@@ -158,6 +164,38 @@ def one_size(trace, size, paths, sample, vmap_chunks, full_vmap_up_to):
     return out, rows
 
 
+# Runs in a fresh process: argv is trace.json, axes (JSON), cache directory.
+START = r"""
+import json, sys
+from jaxsched.entrypoints.xla_flags import use_xla_flags
+use_xla_flags()
+from jaxsched.entrypoints.compilation_cache import enable_compilation_cache
+from jaxsched.sim.sweep import default_threads, sweep
+enable_compilation_cache(sys.argv[3])
+stats = {}
+sweep(json.load(open(sys.argv[1])), **json.loads(sys.argv[2]), vmap_runs=1, threads=default_threads(),
+      progress=False, stats=stats)
+print(json.dumps(dict(compile_s=stats["compile_s"], run_s=stats["run_s"])))
+"""
+
+
+def compile_starts(trace, size: int = 64) -> list:
+    """Compile time of fresh processes sharing one persistent cache (an empty one at first)."""
+    axes = grid(size)
+    other = dict(axes, num_device_blocks=",".join(str(int(b) + 1) for b in axes["num_device_blocks"].split(",")))
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = pathlib.Path(tmp) / "trace.json"
+        path.write_text(json.dumps(trace))
+        for start, ax in (("first start, empty cache", axes), ("second start, same grid", axes),
+                          ("another grid of the same capacity", other)):
+            env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+            got = subprocess.run([sys.executable, "-c", START, str(path), json.dumps(ax), str(pathlib.Path(tmp) / "xla")],
+                                 env=env, check=True, capture_output=True, text=True)
+            out.append(dict(configs=size, start=start, **json.loads(got.stdout.strip().splitlines()[-1])))
+    return out
+
+
 def plot(table, path):
     from matplotlib.figure import Figure
 
@@ -199,6 +237,9 @@ def main() -> None:
         if size == 64:
             rows64 = rows
         print(markdown_table(part, list(part[0])), flush=True)
+    starts = compile_starts(trace) if 64 in sizes and "map" in paths else []
+    if starts:
+        print(markdown_table(starts, list(starts[0])), flush=True)
     env = dict(backend=jax.default_backend(), jax=jax.__version__, machine=platform.machine(),
                cpus=os.cpu_count(), threads=default_threads(), load_before=load_before,
                load_after=os.getloadavg()[0], total_s=time.perf_counter() - t_start)
@@ -226,6 +267,11 @@ def main() -> None:
             lines.append(f"- {t['method']} at 64: {t['speedup_vs_python']:.2f}x the python loop, "
                          f"compile apart (target >= 5x); compile {t['compile_s']:.1f} s (target < 5 s).")
     lines.append("")
+    if starts:
+        lines += ["## Compile time across starts (map sweep, persistent compilation cache)", "",
+                  "Fresh processes, one shared cache directory, empty before the first; compile_s is the "
+                  "sweep's (tracing, lowering, and XLA or the cache).", "",
+                  markdown_table(starts, list(starts[0])), ""]
     if rows64:
         lines += ["## The 64-configuration grid, per configuration", "",
                   markdown_table(rows64, list(rows64[0])), ""]
@@ -233,7 +279,8 @@ def main() -> None:
     (RESULTS / "sweep.md").write_text("\n".join(lines))
     trace_params = {k: dataclasses.asdict(v) if isinstance(v, LogNormal) else v for k, v in TRACE.items()}
     (RESULTS / "sweep.json").write_text(json.dumps(
-        dict(trace=trace_params, sizes=sizes, environment=env, methods=table, rows_64=rows64), indent=1))
+        dict(trace=trace_params, sizes=sizes, environment=env, methods=table, compile_starts=starts,
+             rows_64=rows64), indent=1))
     plot(table, RESULTS / "sweep_scaling.png")
     if rows64:
         plot_results(rows64, RESULTS, "sweep")
