@@ -12,7 +12,7 @@ must be equal. The table gives cost per run-step (wall / run-steps, compile apar
 median, compile time and the optimized program's HLO instruction count where the tree keeps
 its executables where this script can find them.
 
-Results go to benchmarks/results/sweep_ab_<rev>.{md,json}.
+Results go to benchmarks/results/sweep_ab_<rev>_<size>x<threads>t.{md,json}.
 """
 
 import argparse
@@ -147,12 +147,13 @@ def main() -> None:
     lines += ["", f"after / before: best {a['best_us'] / b['best_us']:.2f}x, "
                   f"median {a['median_us'] / b['median_us']:.2f}x.", ""]
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"sweep_ab_{rev}.md").write_text("\n".join(lines))
-    (RESULTS / f"sweep_ab_{rev}.json").write_text(json.dumps(
+    name = f"sweep_ab_{rev}_{args.size}x{args.threads}t"
+    (RESULTS / f"{name}.md").write_text("\n".join(lines))
+    (RESULTS / f"{name}.json").write_text(json.dumps(
         dict(before=args.before, rev=rev, size=args.size, threads=args.threads, environment=env,
              trees=table), indent=1))
     print("\n".join(lines))
-    print(f"wrote {RESULTS}/sweep_ab_{rev}.md, .json")
+    print(f"wrote {RESULTS}/{name}.md, .json")
 
 
 if __name__ == "__main__":
