@@ -246,8 +246,9 @@ def _sorted_slots(keys) -> jax.Array:
     """int32[G]: the slots (the last key, distinct) in lexicographic order of `keys`.
 
     NOTE: XLA:CPU sorts through a comparator call per pair: at 128 slots with four keys the
-    sort costs 14-24 us, the largest single op of a sweep's step; the comparison count is a
-    few us and its scatter of G positions is one small kernel.
+    sort costs about 27 us in a loop of its own (14-24 us in a sweep's profile, the step's
+    largest op), the comparison count and its scatter of G positions about 7 us. A whole
+    sweep does not measurably gain (benchmarks/results/sweep_ab_4bcd673_*.md).
     """
     g = keys[-1].shape[0]
     if g > RANK_BY_COMPARISON_UP_TO:
