@@ -7,8 +7,10 @@ the budget makes victims or swaps itself out, and where a lone prefill goes on o
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
-from jaxsched.core.walks import RunningInputs, running_walk, running_walk_loop
+from jaxsched.core.walks import (RANK_BY_COMPARISON_UP_TO, RunningInputs, _sorted_slots, running_walk,
+                                  running_walk_loop)
 
 G = 8
 
@@ -56,10 +58,6 @@ def test_running_walk__closed_form_equals_the_loop():
 def test_sorted_slots__comparison_count_equals_the_sort():
     """The queue order by counting smaller keys (up to 256 slots) is lax.sort's order, ties in
     every leading key included; above the threshold it is the sort itself."""
-    from jax import lax
-
-    from jaxsched.core.walks import RANK_BY_COMPARISON_UP_TO, _sorted_slots
-
     rng = np.random.default_rng(1)
     sorted_slots = jax.jit(_sorted_slots)
     for g in (1, 7, 128, RANK_BY_COMPARISON_UP_TO, RANK_BY_COMPARISON_UP_TO + 1):

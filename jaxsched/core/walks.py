@@ -221,11 +221,16 @@ def order_is_cached(state: SchedulerState):
         at = cached[start:min(g, start + 513)]
         keys = _sort_keys(state, at)
         # Strictly increasing tuples: sorted, and (slots being distinct) a permutation.
-        less = keys[-1][:-1] < keys[-1][1:]
-        for k in reversed(keys[:-1]):
-            less = (k[:-1] < k[1:]) | ((k[:-1] == k[1:]) & less)
-        ok.append(less.all())
+        ok.append(_lex_less([k[:-1] for k in keys], [k[1:] for k in keys]).all())
     return cached, jnp.stack(ok).all() if ok else jnp.asarray(True)
+
+
+def _lex_less(a, b) -> jax.Array:
+    """Elementwise: is the key tuple `a` below `b` in lexicographic order (keys broadcast)?"""
+    less = a[-1] < b[-1]
+    for x, y in zip(reversed(a[:-1]), reversed(b[:-1])):
+        less = (x < y) | ((x == y) & less)
+    return less
 
 
 def _sort_keys(state: SchedulerState, slots):
@@ -253,11 +258,8 @@ def _sorted_slots(keys) -> jax.Array:
     g = keys[-1].shape[0]
     if g > RANK_BY_COMPARISON_UP_TO:
         return lax.sort(keys, num_keys=len(keys))[-1]
-    mine = [k[:, None] for k in keys]                # row: the slot being ranked
-    theirs = [k[None, :] for k in keys]              # column: every other slot
-    less = theirs[-1] < mine[-1]
-    for a, b in zip(reversed(theirs[:-1]), reversed(mine[:-1])):
-        less = (a < b) | ((a == b) & less)
+    # Row i, column j: does slot j come before slot i?
+    less = _lex_less([k[None, :] for k in keys], [k[:, None] for k in keys])
     rank = less.astype(jnp.float32).sum(axis=1).astype(jnp.int32)   # exact: G < 2**24
     return jnp.zeros((g,), jnp.int32).at[rank].set(keys[-1].astype(jnp.int32), mode="drop")
 
