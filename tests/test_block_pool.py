@@ -1,6 +1,7 @@
 """The block pool's primitives against plain numpy, on random inputs."""
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -8,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from jaxsched.core import batching
 from jaxsched.core import block_pool as bp
 
 
@@ -69,6 +71,41 @@ def test_add_refs_and_write_pairs__masked_entries_only_and_padding_dropped():
     assert int(count) == 4
     np.testing.assert_array_equal(out[1], [[1, 11], [2, 12], [3, 13], [7, 17]])
     assert (np.asarray(out[0]) == 99).all()
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.sampled_from([0, 1, 3, bp.FEW_GROUPS, bp.FEW_GROUPS + 1, 20]),
+       st.booleans())
+def test_add_refs__rows_of_few_groups_equal_the_whole_table(seed, marked, per_entry_delta):
+    """The scatter of the marked groups' rows only (at most FEW_GROUPS), and the whole-table
+    one above that, both give the plain count; so do runs of a vmapped batch whose marked
+    counts straddle the bound (the batch takes the whole table when any run needs it)."""
+    rng = np.random.default_rng(seed)
+    g, s, m, d = 24, 2, 5, 40
+
+    def one(r, k):
+        table = r.integers(0, d, (g, s, m)).astype(np.int32)
+        groups = np.zeros(g, bool)
+        groups[r.choice(g, k, replace=False)] = True
+        mask = (r.random((g, s, m)) < 0.6) & groups[:, None, None]
+        delta = r.integers(-2, 3, (g, s, m)).astype(np.int32) if per_entry_delta else np.int32(-1)
+        ref = r.integers(0, 5, d).astype(np.int32)
+        expect = ref.copy()
+        np.add.at(expect, table[mask], np.broadcast_to(delta, mask.shape)[mask])
+        return ref, table, mask, delta, groups, expect
+
+    ref, table, mask, delta, groups, expect = one(rng, marked)
+    got = bp.add_refs(jnp.asarray(ref), jnp.asarray(table), jnp.asarray(mask), jnp.asarray(delta),
+                      groups=jnp.asarray(groups))
+    np.testing.assert_array_equal(got, expect)
+    runs = [one(rng, k) for k in (marked, 2, bp.FEW_GROUPS + 3 if marked % 2 else 1)]
+    stack = lambda i: jnp.asarray(np.stack([np.broadcast_to(r[i], runs[0][i].shape) for r in runs]))
+
+    def batched(ref, table, mask, delta, groups):
+        with batching.runs_axis("runs"):
+            return bp.add_refs(ref, table, mask, delta, groups=groups)
+    got = jax.vmap(batched, axis_name="runs")(*(stack(i) for i in range(5)))
+    np.testing.assert_array_equal(got, np.stack([r[5] for r in runs]))
 
 
 @pytest.mark.parametrize("default", [7, -3])

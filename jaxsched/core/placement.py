@@ -102,7 +102,7 @@ def _fresh_tables(blk: Blocks, pairs, host_table, seq_alive, num_tokens, d, shar
 
     def with_swaps(pairs):
         fresh_id = take_ranked(blocks, first_rank + mask_rank(fresh), fresh)
-        host_ref = add_refs(blk.host_ref, host_table, leaving_host, -1)
+        host_ref = add_refs(blk.host_ref, host_table, leaving_host, -1, groups=swapped_in | swap_ignored)
         pairs, count = write_pairs(pairs, SWAP_IN, host_table, fresh_id, swap_fresh)
         return fresh_id, host_ref, pairs, count
 
@@ -114,7 +114,7 @@ def _fresh_tables(blk: Blocks, pairs, host_table, seq_alive, num_tokens, d, shar
     mapped = jnp.where(new_valid, jnp.take_along_axis(fresh_id, holder, axis=1), 0)
     table = jnp.where((admitted | swapped_in)[:, None, None], mapped, blk.block_table)
     num_blocks = jnp.where(admitted[:, None], adm_blocks, blk.num_blocks)
-    device_ref = add_refs(blk.device_ref, mapped, new_valid, 1)
+    device_ref = add_refs(blk.device_ref, mapped, new_valid, 1, groups=admitted | swapped_in)
     return Blocks(table, num_blocks, device_ref, host_ref), pairs, count
 
 

@@ -110,14 +110,14 @@ def free_victims(blk: Blocks, pairs, host_table, v: Victims, share, num_host_act
     valid, holder, is_first = share
     victims = v.recompute | v.swap
     entries = valid & victims[:, None, None]
-    device_ref = add_refs(blk.device_ref, blk.block_table, entries, -1)
+    device_ref = add_refs(blk.device_ref, blk.block_table, entries, -1, groups=victims)
     # Host blocks for the unique device blocks of swap victims, lowest free first.
     fresh = entries & v.swap[:, None, None] & is_first
     host_ids = take_ranked(free_list(blk.host_ref, num_host_active), mask_rank(fresh), fresh)
     host_new = jnp.take_along_axis(host_ids, holder, axis=1)
     swap_entries = entries & v.swap[:, None, None]
     host_table = jnp.where(v.swap[:, None, None], jnp.where(swap_entries, host_new, 0), host_table)
-    host_ref = add_refs(blk.host_ref, host_table, swap_entries, 1)
+    host_ref = add_refs(blk.host_ref, host_table, swap_entries, 1, groups=v.swap)
     pairs, count = write_pairs(pairs, SWAP_OUT, blk.block_table, host_new, fresh)
     return blk._replace(device_ref=device_ref, host_ref=host_ref), host_table, pairs, count
 

@@ -161,8 +161,11 @@ def update_impl(state: SchedulerState, scheduled: jax.Array, num_scheduled_token
     def tables():
         """Block tables and reference counts of forked and finished sequences."""
         block_table, num_blocks = forked()
-        device_ref = add_refs(state.device_ref, block_table, entry_valid(num_blocks, new_seq, width), 1)
-        device_ref = add_refs(device_ref, block_table, entry_valid(num_blocks, fin, width), -1)
+        # One scatter: +1 for a new sequence's entries, -1 for a finished one's (both: none).
+        delta = (entry_valid(num_blocks, new_seq, width).astype(jnp.int32)
+                 - entry_valid(num_blocks, fin, width).astype(jnp.int32))
+        device_ref = add_refs(state.device_ref, block_table, delta != 0, delta,
+                              groups=(new_seq | fin).any(1))
         return dict(num_blocks=jnp.where(fin, 0, num_blocks),
                     block_table=jnp.where(fin[..., None], 0, block_table), device_ref=device_ref)
 
