@@ -76,9 +76,9 @@ def test_add_refs_and_write_pairs__masked_entries_only_and_padding_dropped():
 @settings(max_examples=30, deadline=None)
 @given(st.integers(0, 2**31 - 1), st.sampled_from([0, 1, 3, bp.FEW_GROUPS, bp.FEW_GROUPS + 1, 20]),
        st.booleans())
-def test_add_refs__rows_of_few_groups_equal_the_whole_table(seed, marked, per_entry_delta):
+def test_add_refs_and_write_pairs__rows_of_few_groups_equal_the_whole_table(seed, marked, per_entry_delta):
     """The scatter of the marked groups' rows only (at most FEW_GROUPS), and the whole-table
-    one above that, both give the plain count; so do runs of a vmapped batch whose marked
+    one above that, both give the plain count and the pairs in flat order; so do runs of a vmapped batch whose marked
     counts straddle the bound (the batch takes the whole table when any run needs it)."""
     rng = np.random.default_rng(seed)
     g, s, m, d = 24, 2, 5, 40
@@ -98,6 +98,13 @@ def test_add_refs__rows_of_few_groups_equal_the_whole_table(seed, marked, per_en
     got = bp.add_refs(jnp.asarray(ref), jnp.asarray(table), jnp.asarray(mask), jnp.asarray(delta),
                       groups=jnp.asarray(groups))
     np.testing.assert_array_equal(got, expect)
+    # write_pairs on the same rows: the masked (table, table + 100) pairs in flat order.
+    pairs = jnp.full((2, g * s * m, 2), 999, jnp.int32)
+    out, count = bp.write_pairs(pairs, 1, jnp.asarray(table), jnp.asarray(table) + 100, jnp.asarray(mask),
+                                groups=jnp.asarray(groups))
+    assert int(count) == mask.sum()
+    np.testing.assert_array_equal(out[1, :mask.sum()], np.stack([table[mask], table[mask] + 100], -1))
+    assert (np.asarray(out[1, mask.sum():]) == 999).all() and (np.asarray(out[0]) == 999).all()
     runs = [one(rng, k) for k in (marked, 2, bp.FEW_GROUPS + 3 if marked % 2 else 1)]
     stack = lambda i: jnp.asarray(np.stack([np.broadcast_to(r[i], runs[0][i].shape) for r in runs]))
 

@@ -130,50 +130,60 @@ def first_holder(table: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Arr
     return holder, holder == jnp.arange(s)[None, :, None]
 
 
-# A scatter of the masked entries of this many groups' rows, not of the whole table.
+# Table work on the rows of at most this many groups instead of the whole table (`on_rows`).
 FEW_GROUPS = 8
 
 
-def add_refs(ref_count: jax.Array, table: jax.Array, mask: jax.Array, delta,
-             groups: jax.Array | None = None) -> jax.Array:
-    """Add `delta` (an int, or ints shaped as `mask`) to the count of every block referenced
-    by a masked entry.
+def on_rows(groups: jax.Array | None, fn, *tables: jax.Array):
+    """fn(*tables), for arrays whose leading axis is the groups, of which only the rows of
+    `groups` (bool[G]; None: all) matter to fn: a scatter of their masked entries, a packing
+    in flat order; a row of zeros (nothing masked) must change nothing.
 
-    `groups` (bool[G], the leading axis of `table`) marks the only rows with masked entries.
-
-    NOTE: XLA's scatter walks its updates one by one: every entry of a [G, S, M] table is
-    about 10 us a step at 128 slots, 0.6 ms for a sweep's batch of 64 runs, whatever the mask.
-    A step admits, forks, finishes or preempts a few groups, so when at most FEW_GROUPS rows
-    are marked their rows are gathered and only those are scattered (decided once for a
-    batch of runs: `batching.cond`).
+    NOTE: XLA's scatter walks its updates one by one, masked or not: every entry of a
+    [G, S, M] table is about 10 us a step at 128 slots, 0.6 ms for a sweep's batch of 64 runs.
+    A step admits, forks, finishes, preempts or swaps a few groups, so when at most
+    FEW_GROUPS are marked fn gets their rows alone, in order, padded with rows of zeros; else
+    the whole tables (decided once for a batch of runs: `batching.cond`).
     """
-    size, g = ref_count.shape[0], table.shape[0]
-    delta = jnp.asarray(delta, jnp.int32)
-
-    def scatter(table, mask, delta):
-        idx = jnp.where(mask, table, size).reshape(-1)
-        return ref_count.at[idx].add(jnp.broadcast_to(delta, mask.shape).reshape(-1), mode="drop")
-
+    g = tables[0].shape[0]
     if groups is None or g <= FEW_GROUPS:
-        return scatter(table, mask, delta)
+        return fn(*tables)
 
     def few():
         rank = jnp.where(groups, mask_rank(groups), FEW_GROUPS)
         rows = jnp.full((FEW_GROUPS,), g, jnp.int32).at[rank].set(jnp.arange(g, dtype=jnp.int32),
                                                                      mode="drop")
-        take = lambda x, fill: jnp.take(x, rows, axis=0, mode="fill", fill_value=fill)  # noqa: E731
-        return scatter(take(table, 0), take(mask, False), take(delta, 0) if delta.ndim else delta)
+        return fn(*(jnp.take(x, rows, axis=0, mode="fill", fill_value=0) for x in tables))
 
-    return batching.cond(groups.sum() > FEW_GROUPS, lambda: scatter(table, mask, delta), few, same=True)
+    return batching.cond(groups.sum() > FEW_GROUPS, lambda: fn(*tables), few, same=True)
 
 
-def write_pairs(pairs: jax.Array, row: int, src: jax.Array, dst: jax.Array,
-                mask: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Pack masked (src, dst) pairs, in flat order, into the padded list pairs[row].
+def add_refs(ref_count: jax.Array, table: jax.Array, mask: jax.Array, delta,
+             groups: jax.Array | None = None) -> jax.Array:
+    """Add `delta` (an int, or ints shaped as `mask`) to the count of every block referenced
+    by a masked entry; `groups` (bool[G]) marks the only rows with masked entries (`on_rows`)."""
+    size = ref_count.shape[0]
+    delta = jnp.asarray(delta, jnp.int32)
+
+    def scatter(table, mask, *per_entry):
+        idx = jnp.where(mask, table, size).reshape(-1)
+        add = jnp.broadcast_to(per_entry[0] if per_entry else delta, mask.shape).reshape(-1)
+        return ref_count.at[idx].add(add, mode="drop")
+
+    return on_rows(groups, scatter, table, mask, *((delta,) if delta.ndim else ()))
+
+
+def write_pairs(pairs: jax.Array, row: int, src: jax.Array, dst: jax.Array, mask: jax.Array,
+                groups: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """Pack masked (src, dst) pairs, in flat order, into the padded list pairs[row];
+    `groups` (bool, the leading axis) marks the only rows with masked entries (`on_rows`).
 
     `pairs` is int32[R, P, 2], already padded; returns it and the number of pairs written.
     """
-    mask = mask.reshape(-1)
-    where_to = jnp.where(mask, mask_rank(mask), pairs.shape[1])
-    update = jnp.stack([src.reshape(-1), dst.reshape(-1)], axis=-1)
-    return pairs.at[row, where_to].set(update, mode="drop"), mask.sum(dtype=jnp.int32)
+    def pack(src, dst, mask):
+        mask = mask.reshape(-1)
+        where_to = jnp.where(mask, mask_rank(mask), pairs.shape[1])
+        update = jnp.stack([src.reshape(-1), dst.reshape(-1)], axis=-1)
+        return pairs.at[row, where_to].set(update, mode="drop"), mask.sum(dtype=jnp.int32)
+
+    return on_rows(groups, pack, src, dst, mask)

@@ -103,7 +103,7 @@ def _fresh_tables(blk: Blocks, pairs, host_table, seq_alive, num_tokens, d, shar
     def with_swaps(pairs):
         fresh_id = take_ranked(blocks, first_rank + mask_rank(fresh), fresh)
         host_ref = add_refs(blk.host_ref, host_table, leaving_host, -1, groups=swapped_in | swap_ignored)
-        pairs, count = write_pairs(pairs, SWAP_IN, host_table, fresh_id, swap_fresh)
+        pairs, count = write_pairs(pairs, SWAP_IN, host_table, fresh_id, swap_fresh, groups=swapped_in)
         return fresh_id, host_ref, pairs, count
 
     def admissions_only(pairs):

@@ -118,7 +118,7 @@ def free_victims(blk: Blocks, pairs, host_table, v: Victims, share, num_host_act
     swap_entries = entries & v.swap[:, None, None]
     host_table = jnp.where(v.swap[:, None, None], jnp.where(swap_entries, host_new, 0), host_table)
     host_ref = add_refs(blk.host_ref, host_table, swap_entries, 1, groups=v.swap)
-    pairs, count = write_pairs(pairs, SWAP_OUT, blk.block_table, host_new, fresh)
+    pairs, count = write_pairs(pairs, SWAP_OUT, blk.block_table, host_new, fresh, groups=v.swap)
     return blk._replace(device_ref=device_ref, host_ref=host_ref), host_table, pairs, count
 
 
