@@ -78,8 +78,9 @@ def test_add_refs_and_write_pairs__masked_entries_only_and_padding_dropped():
        st.booleans())
 def test_add_refs_and_write_pairs__rows_of_few_groups_equal_the_whole_table(seed, marked, per_entry_delta):
     """The scatter of the marked groups' rows only (at most FEW_GROUPS), and the whole-table
-    one above that, both give the plain count and the pairs in flat order; so do runs of a vmapped batch whose marked
-    counts straddle the bound (the batch takes the whole table when any run needs it)."""
+    one above that, both give the plain count and the pairs in flat order; so do runs of a
+    vmapped batch whose marked counts straddle the bound (the batch takes the whole table
+    when any run needs it)."""
     rng = np.random.default_rng(seed)
     g, s, m, d = 24, 2, 5, 40
 
