@@ -1,4 +1,5 @@
-"""The state's packing: every field round-trips through storage, in one leaf and in three."""
+"""The state's packing: every field round-trips through storage, in one leaf, in three, and in
+one leaf per field (a sweep chunk's layout)."""
 from __future__ import annotations
 
 import jax
@@ -8,7 +9,7 @@ import pytest
 
 from jaxsched import SchedulerConfig, init_state
 from jaxsched.core.state import (FIELDS, LIMIT_FIELDS, ONE_LEAF_BYTES, SchedulerOutput, SchedulerState,
-                            Status, layout)
+                                 Status, layout, make_limits, stacked_limits)
 
 
 def _random_value(field, shape, rng):
@@ -50,6 +51,42 @@ def test_state__every_field_round_trips_and_replace_touches_only_its_fields(slot
         np.testing.assert_array_equal(a, b)
     with pytest.raises(TypeError, match="unknown fields"):
         state.replace(bogus=1)
+
+
+@pytest.mark.parametrize("slots, caching", [(4, False), (1024, False), (4, True)])
+def test_state__per_field_layout_holds_the_same_fields_and_packs_back_exactly(slots, caching):
+    config = SchedulerConfig(num_slots=slots, max_model_len=256, num_device_blocks=64,
+                             enable_prefix_caching=caching)
+    state = init_state(config)
+    lay = layout(state.dims)
+    names = [f.name for f in FIELDS if f.name in lay]
+    rng = np.random.default_rng(slots + 1)
+    state = state.replace(**{n: _random_value(f, lay[n][2], rng) for f in FIELDS if (n := f.name) in lay})
+    # Stacked along a run axis, as a sweep holds it.
+    runs = jax.tree.map(lambda x: jnp.stack([x, x[::-1] if x.ndim else x]), state)
+    split = runs.per_field()
+    assert len(split.data) == len(names) and split.caching == caching
+    assert split.per_field() is split and split.key_bits == state.key_bits
+    for n in names:
+        np.testing.assert_array_equal(split.get(n), runs.get(n), err_msg=n)
+    # A write touches only its own leaf; packing back gives the packed storage bit for bit.
+    zero = split.replace(n=jnp.zeros((2, slots), jnp.int32))
+    assert sum(a is not b for a, b in zip(zero.data, split.data)) == 1
+    back = zero.per_field(False)
+    assert back.dims == state.dims
+    for a, b in zip(back.data, runs.replace(n=jnp.zeros((2, slots), jnp.int32)).data):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_state__stacked_limits_are_each_configs_limits():
+    configs = [SchedulerConfig(num_device_blocks=b, max_num_seqs=s, preemption_mode=m, watermark=0.05)
+               for b in (64, 96) for s in (8, 16) for m in ("recompute", "swap", "auto")]
+    stacked = stacked_limits(configs)
+    for i, c in enumerate(configs):
+        one = make_limits(c)
+        for f in LIMIT_FIELDS:
+            got, want = getattr(stacked, f)[i], getattr(one, f)
+            assert got.dtype == want.dtype and got == want, (f, c)
 
 
 def test_state__is_a_pytree_whose_dims_are_static_and_docs_name_every_field():

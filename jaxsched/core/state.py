@@ -20,7 +20,9 @@ table, and `state.replace(field=...)` writes fields back:
                        without the tables and pools, block_table and host_table, then
                        device_ref and host_ref
     dims: (G, S, M, D, H), static (pytree aux data); with prefix caching (SPEC A10)
-          (G, S, M, D, H, key bits) and the cache fields exist
+          (G, S, M, D, H, key bits) and the cache fields exist; (G, S, M, D, H, key bits
+          or 0, 1) is the same state stored one leaf per field (`per_field`), the layout
+          inside a compiled loop over steps, where no leaf crosses a jitted call
 
 Floats are stored bit-cast (exact), bools as 0/1. Properties index from the end, so they
 also work on states stacked along leading axes (vmap).
@@ -34,6 +36,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 from jax import lax
 
@@ -173,6 +176,10 @@ def layout(dims: tuple) -> dict:
     sizes = dict(zip("GSMDH", dims), **{"2": 2})
     caching = len(dims) > 5 and bool(dims[5])
     shapes = {f.name: tuple(sizes[c] for c in f.shape) for f in FIELDS if caching or not f.cache}
+    if len(dims) > 6 and dims[6]:             # one leaf per field (`per_field`)
+        out = {name: (i, 0, shape) for i, (name, shape) in enumerate(shapes.items())}
+        out["sizes"] = tuple(math.prod(shape) for shape in shapes.values())
+        return out
     split = 4 * sum(math.prod(shape) for shape in shapes.values()) > ONE_LEAF_BYTES
     out, offsets = {}, [0] * (3 if split else 1)
     for name, shape in shapes.items():
@@ -311,6 +318,23 @@ class SchedulerState:
 
     def get(self, name: str) -> jax.Array:
         return decode(name, self.stored(name))
+
+    def per_field(self, on: bool = True) -> SchedulerState:
+        """The same state stored one leaf per field (`on`), or back in the packed leaves.
+
+        Inside a compiled loop over steps (a sweep's chunk) nothing crosses a jitted call, and
+        per-field leaves let `replace` write only the fields it changes instead of copying the
+        whole packed leaf (under vmap, the state of every run of the batch)."""
+        dims = self.dims[:5] + (self.key_bits,) + ((1,) if on else ())
+        if not on and not self.caching:
+            dims = dims[:5]
+        if dims == self.dims:
+            return self
+        lay, lead = layout(dims), self.data[0].shape[:-1]
+        data = tuple(jnp.concatenate([self.stored(n).reshape(lead + (-1,)) for n in FIELD_NAMES
+                                      if n in lay and lay[n][0] == leaf], axis=-1)
+                     for leaf in range(len(lay["sizes"])))
+        return SchedulerState(data, dims)
 
     @property
     def limits(self) -> Limits:
@@ -525,21 +549,24 @@ SchedulerOutput.__doc__ += "\n".join(
     for f in _OUTPUTS) + "\n"
 
 
+def _limit_values(config: SchedulerConfig) -> dict:
+    """The Limits field values of a config (Python numbers)."""
+    return dict(num_device_blocks=config.num_device_blocks, num_host_blocks=config.num_host_blocks,
+                max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=config.max_model_len, watermark_blocks=config.watermark_blocks,
+                preemption_mode=config.preemption_mode_id, delay_factor=config.delay_factor,
+                block_size=config.block_size, **dict(zip(COST_FIELDS, config.costs.coefficients)))
+
+
 def make_limits(config: SchedulerConfig) -> Limits:
-    i32 = lambda v: jnp.asarray(v, jnp.int32)
-    return Limits(
-        num_device_blocks=i32(config.num_device_blocks),
-        num_host_blocks=i32(config.num_host_blocks),
-        max_num_seqs=i32(config.max_num_seqs),
-        max_num_batched_tokens=i32(config.max_num_batched_tokens),
-        max_model_len=i32(config.max_model_len),
-        watermark_blocks=i32(config.watermark_blocks),
-        preemption_mode=i32(config.preemption_mode_id),
-        delay_factor=jnp.asarray(config.delay_factor, jnp.float32),
-        block_size=i32(config.block_size),
-        **{name: jnp.asarray(value, jnp.float32)
-           for name, value in zip(COST_FIELDS, config.costs.coefficients)},
-    )
+    return Limits(**{k: jnp.asarray(v, _LIMIT_KINDS[k]) for k, v in _limit_values(config).items()})
+
+
+def stacked_limits(configs) -> Limits:
+    """The Limits of many configs of one capacity, stacked along a leading run axis (numpy
+    arrays: one transfer for the batch instead of one per field per run)."""
+    values = [_limit_values(c) for c in configs]
+    return Limits(**{k: np.asarray([v[k] for v in values], _LIMIT_KINDS[k]) for k in LIMIT_FIELDS})
 
 
 def init_state(config: SchedulerConfig) -> SchedulerState:

@@ -4,8 +4,8 @@
                  preemption_mode=["recompute", "swap"])
 
 Every run shares one static `Capacity` (the largest pool sizes of the grid); what differs is
-a per-run `Limits` (`set_limits`), stacked along a leading run axis, so changing limits never
-recompiles. One jitted call steps all runs `CHUNK_STEPS` steps; the host loops over chunks
+a per-run `Limits` (`state.stacked_limits`), stacked along a leading run axis, so changing
+limits never recompiles. One jitted call steps all runs `CHUNK_STEPS` steps; the host loops over chunks
 only (a tqdm bar counts finished requests), until every run has finished every request:
 
     host:    chunk 0 ──> chunk 1 ──> ... ──> all runs drained
@@ -65,7 +65,7 @@ from jaxsched.core.costs import PreemptionCosts
 from jaxsched.core.requests import RequestBatch
 from jaxsched.sim.capacity import longest_sequence, needed_capacity, pow2, replay_capacity
 from jaxsched.sim.simulate import CHUNK_STEPS, replay_step
-from jaxsched.core.state import EMPTY, FINISHED, IGNORED, init_state, set_limits
+from jaxsched.core.state import EMPTY, FINISHED, IGNORED, init_state, stacked_limits
 from jaxsched.sim.trace import Trace, TraceError, parse_trace
 # "auto" is the cost-based mode (the trace config's preemption_costs, else the default
 # costs); vLLM's default (None: recompute one sequence, swap more) is "default" or "none".
@@ -304,6 +304,9 @@ def sweep_chunk(carry, cols, arrival_time, tokens, start, times, cap, width, vma
     decided once for the group, so the work is done when some run of the group needs it.
     """
     steps = start + jnp.arange(times.shape[0], dtype=jnp.int32)
+    # Inside the chunk the state is stored one leaf per field: a step's writes then touch
+    # only the fields they change, not a copy of the packed state (of every run, under vmap).
+    carry = (carry[0].per_field(), carry[1])
 
     def chunk(c):
         return lax.scan(lambda c, x: _step(c, x, cols, arrival_time, tokens, cap, width), c, (steps, times))
@@ -311,8 +314,9 @@ def sweep_chunk(carry, cols, arrival_time, tokens, start, times, cap, width, vma
     # Records of a drained run are not read past its end: skipping its chunk changes nothing.
     idle = lambda c: (c, jnp.zeros((times.shape[0], NUM_COLS), jnp.int32))   # noqa: E731
     drained = lambda c: (c[1][0] >= 0).all()                                 # noqa: E731
+    repack = lambda c, rec: ((c[0].per_field(False), c[1]), rec)             # noqa: E731
     if vmap_runs == 1:
-        return lax.map(lambda c: lax.cond(drained(c), idle, chunk, c), carry)
+        return repack(*lax.map(lambda c: lax.cond(drained(c), idle, chunk, c), carry))
 
     def one(c):
         with batching.runs_axis(RUNS):
@@ -320,11 +324,11 @@ def sweep_chunk(carry, cols, arrival_time, tokens, start, times, cap, width, vma
     many = jax.vmap(one, axis_name=RUNS)
     runs = carry[1].shape[0]
     if vmap_runs >= runs:
-        return many(carry)
+        return repack(*many(carry))
     groups = jax.tree.map(lambda x: x.reshape(runs // vmap_runs, vmap_runs, *x.shape[1:]), carry)
     groups, rec = lax.map(many, groups)
     flat = lambda x: x.reshape(runs, *x.shape[2:])                           # noqa: E731
-    return jax.tree.map(flat, groups), flat(rec)
+    return repack(jax.tree.map(flat, groups), flat(rec))
 
 
 def _executable(args, cap, width, vmap_runs, stats):
@@ -399,8 +403,9 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
     shards = max(1, min(threads, runs))
     size, group = _shard_size(runs, runs, shards, vmap_runs)
     ids = _deal(runs, size * shards, shards)       # the run at each position (-1: padding)
-    limits = [set_limits(base, c) for c in configs]
-    state = jax.tree.map(lambda *xs: jnp.stack(xs), *[limits[r if r >= 0 else runs - 1] for r in ids])
+    batch_of = lambda x: jnp.broadcast_to(x, (len(ids),) + x.shape)          # noqa: E731
+    state = jax.tree.map(batch_of, base).replace(
+        limits=stacked_limits([configs[r if r >= 0 else runs - 1] for r in ids]))
     # A padding run starts drained (every request has a finish step): lax.map skips it.
     per_request = np.full((len(ids), 4, len(reqs)), -1, np.int32)
     per_request[ids < 0] = 0
