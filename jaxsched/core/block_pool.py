@@ -135,9 +135,11 @@ FEW_GROUPS = 8
 
 
 def on_rows(groups: jax.Array | None, fn, *tables: jax.Array):
-    """fn(*tables), for arrays whose leading axis is the groups, of which only the rows of
-    `groups` (bool[G]; None: all) matter to fn: a scatter of their masked entries, a packing
-    in flat order; a row of zeros (nothing masked) must change nothing.
+    """fn(at, *tables), for arrays whose leading axis is the groups, of which only the rows
+    of `groups` (bool[G]; None: all) matter to fn: a scatter of their masked entries, a
+    packing in flat order, a rewrite of their rows; a row of zeros (nothing masked) must
+    change nothing. `at` is None when fn gets the whole tables, else the int32 rows it got
+    (out of range for padding): fn writes rows back with `put_rows(table, at, rows)`.
 
     NOTE: XLA's scatter walks its updates one by one, masked or not: every entry of a
     [G, S, M] table is about 10 us a step at 128 slots, 0.6 ms for a sweep's batch of 64 runs.
@@ -147,15 +149,20 @@ def on_rows(groups: jax.Array | None, fn, *tables: jax.Array):
     """
     g = tables[0].shape[0]
     if groups is None or g <= FEW_GROUPS:
-        return fn(*tables)
+        return fn(None, *tables)
 
     def few():
         rank = jnp.where(groups, mask_rank(groups), FEW_GROUPS)
         rows = jnp.full((FEW_GROUPS,), g, jnp.int32).at[rank].set(jnp.arange(g, dtype=jnp.int32),
                                                                      mode="drop")
-        return fn(*(jnp.take(x, rows, axis=0, mode="fill", fill_value=0) for x in tables))
+        return fn(rows, *(jnp.take(x, rows, axis=0, mode="fill", fill_value=0) for x in tables))
 
-    return batching.cond(groups.sum() > FEW_GROUPS, lambda: fn(*tables), few, same=True)
+    return batching.cond(groups.sum() > FEW_GROUPS, lambda: fn(None, *tables), few, same=True)
+
+
+def put_rows(table: jax.Array, at: jax.Array | None, rows: jax.Array) -> jax.Array:
+    """`table` with the rows `on_rows` handed out replaced by `rows` (all of it when `at` is None)."""
+    return rows if at is None else table.at[at].set(rows, mode="drop")
 
 
 def add_refs(ref_count: jax.Array, table: jax.Array, mask: jax.Array, delta,
@@ -165,7 +172,7 @@ def add_refs(ref_count: jax.Array, table: jax.Array, mask: jax.Array, delta,
     size = ref_count.shape[0]
     delta = jnp.asarray(delta, jnp.int32)
 
-    def scatter(table, mask, *per_entry):
+    def scatter(_, table, mask, *per_entry):
         idx = jnp.where(mask, table, size).reshape(-1)
         add = jnp.broadcast_to(per_entry[0] if per_entry else delta, mask.shape).reshape(-1)
         return ref_count.at[idx].add(add, mode="drop")
@@ -180,7 +187,7 @@ def write_pairs(pairs: jax.Array, row: int, src: jax.Array, dst: jax.Array, mask
 
     `pairs` is int32[R, P, 2], already padded; returns it and the number of pairs written.
     """
-    def pack(src, dst, mask):
+    def pack(_, src, dst, mask):
         mask = mask.reshape(-1)
         where_to = jnp.where(mask, mask_rank(mask), pairs.shape[1])
         update = jnp.stack([src.reshape(-1), dst.reshape(-1)], axis=-1)

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxsched.core import batching
-from jaxsched.core.block_pool import add_refs, cumsum, free_list, mask_rank, take_ranked, write_pairs
+from jaxsched.core.block_pool import (add_refs, cumsum, free_list, mask_rank, on_rows, put_rows,
+                                      take_ranked, write_pairs)
 from jaxsched.core.config import PREEMPT_COST, PREEMPT_DEFAULT, PREEMPT_RECOMPUTE, PREEMPT_SWAP
 from jaxsched.core.costs import recompute_seconds, swap_seconds
 from jaxsched.core.placement import SWAP_OUT, Blocks
@@ -101,25 +102,40 @@ def pick_modes(victims_w, nmax_w, held_w, tokens_w, mode, costs, host_free,
 
 
 def free_victims(blk: Blocks, pairs, host_table, v: Victims, share, num_host_active):
-    """Free victims' device blocks; give swap victims host blocks (shared blocks once).
+    """Free victims' device blocks and clear their tables; give swap victims host blocks
+    (shared blocks once).
 
     `share` is (valid, holder, is_first) of the step-start tables. Returns the new blocks
-    (the caller clears the victims' tables), the new host table, the pair lists with the
-    (device, host) swap-out row written, and the number of swap-out pairs.
+    (the caller zeroes recompute victims' num_blocks), the new host table, the pair lists
+    with the (device, host) swap-out row written, and the number of swap-out pairs. Both
+    passes work on the victims' rows alone (`on_rows`): a step preempts a few groups.
     """
     valid, holder, is_first = share
     victims = v.recompute | v.swap
-    entries = valid & victims[:, None, None]
-    device_ref = add_refs(blk.device_ref, blk.block_table, entries, -1, groups=victims)
-    # Host blocks for the unique device blocks of swap victims, lowest free first.
-    fresh = entries & v.swap[:, None, None] & is_first
-    host_ids = take_ranked(free_list(blk.host_ref, num_host_active), mask_rank(fresh), fresh)
-    host_new = jnp.take_along_axis(host_ids, holder, axis=1)
-    swap_entries = entries & v.swap[:, None, None]
-    host_table = jnp.where(v.swap[:, None, None], jnp.where(swap_entries, host_new, 0), host_table)
-    host_ref = add_refs(blk.host_ref, host_table, swap_entries, 1, groups=v.swap)
-    pairs, count = write_pairs(pairs, SWAP_OUT, blk.block_table, host_new, fresh, groups=v.swap)
-    return blk._replace(device_ref=device_ref, host_ref=host_ref), host_table, pairs, count
+
+    def release(at, table, valid, victim):
+        entries = valid & victim[:, None, None]
+        device_ref = add_refs(blk.device_ref, table, entries, -1)
+        return device_ref, put_rows(blk.block_table, at, jnp.where(victim[:, None, None], 0, table))
+
+    device_ref, block_table = on_rows(victims, release, blk.block_table, valid, victims)
+    # Host blocks for the unique device blocks of swap victims, lowest free first: ranks in
+    # flat order over the rows taken are ranks over the table (untaken rows hold none).
+    free_host = free_list(blk.host_ref, num_host_active)
+
+    def swap_out(at, table, valid, holder, is_first, swap, host_rows):
+        entries = valid & swap[:, None, None]
+        fresh = entries & is_first
+        host_new = jnp.take_along_axis(take_ranked(free_host, mask_rank(fresh), fresh), holder, axis=1)
+        rows = jnp.where(swap[:, None, None], jnp.where(entries, host_new, 0), host_rows)
+        host_ref = add_refs(blk.host_ref, rows, entries, 1)
+        out, count = write_pairs(pairs, SWAP_OUT, table, host_new, fresh)
+        return put_rows(host_table, at, rows), host_ref, out, count
+
+    host_table, host_ref, pairs, count = on_rows(v.swap, swap_out, blk.block_table, valid, holder,
+                                                 is_first, v.swap, host_table)
+    return blk._replace(block_table=block_table, device_ref=device_ref, host_ref=host_ref), \
+        host_table, pairs, count
 
 
 def preempted_fields(f: dict, v: Victims, block_size: int) -> dict:

@@ -467,9 +467,7 @@ def _preempt(state, cap: Capacity, d: StepValues, q: Queues, run: Running, free0
     blk = Blocks(state.block_table, state.num_blocks, state.device_ref, state.host_ref)
     v, blk, host_table, pairs, count, free_dev, free_host = batching.cond(
         run.preempted.any(), preempt, no_preempt, blk, no_pairs(cap), state.host_table, same=True)
-    victims = v.recompute | v.swap
-    blk = blk._replace(block_table=jnp.where(victims[:, None, None], 0, blk.block_table),
-                       num_blocks=jnp.where(v.recompute[:, None], 0, blk.num_blocks))
+    blk = blk._replace(num_blocks=jnp.where(v.recompute[:, None], 0, blk.num_blocks))
     return v, blk, host_table, pairs, count, free_dev, free_host
 
 
