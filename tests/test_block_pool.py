@@ -76,11 +76,11 @@ def test_add_refs_and_write_pairs__masked_entries_only_and_padding_dropped():
 @settings(max_examples=30, deadline=None)
 @given(st.integers(0, 2**31 - 1), st.sampled_from([0, 1, 3, bp.FEW_GROUPS, bp.FEW_GROUPS + 1, 20]),
        st.booleans())
-def test_add_refs_and_write_pairs__rows_of_few_groups_equal_the_whole_table(seed, marked, per_entry_delta):
+def test_add_refs_write_pairs_put_rows__rows_of_few_groups_equal_the_whole_table(seed, marked, per_entry_delta):
     """The scatter of the marked groups' rows only (at most FEW_GROUPS), and the whole-table
-    one above that, both give the plain count and the pairs in flat order; so do runs of a
-    vmapped batch whose marked counts straddle the bound (the batch takes the whole table
-    when any run needs it)."""
+    one above that, both give the plain count, the pairs in flat order and the rewritten
+    rows; so do runs of a vmapped batch whose marked counts straddle the bound (the batch
+    takes the whole table when any run needs it)."""
     rng = np.random.default_rng(seed)
     g, s, m, d = 24, 2, 5, 40
 
@@ -106,6 +106,11 @@ def test_add_refs_and_write_pairs__rows_of_few_groups_equal_the_whole_table(seed
     assert int(count) == mask.sum()
     np.testing.assert_array_equal(out[1, :mask.sum()], np.stack([table[mask], table[mask] + 100], -1))
     assert (np.asarray(out[1, mask.sum():]) == 999).all() and (np.asarray(out[0]) == 999).all()
+    # A rewrite of the marked rows (put_rows puts back the rows taken) leaves the rest as is.
+    def bump(at, rows, mask):
+        return bp.put_rows(jnp.asarray(table), at, jnp.where(mask, rows + 1, rows))
+    got = bp.on_rows(jnp.asarray(groups), bump, jnp.asarray(table), jnp.asarray(mask))
+    np.testing.assert_array_equal(got, np.where(mask, table + 1, table))
     runs = [one(rng, k) for k in (marked, 2, bp.FEW_GROUPS + 3 if marked % 2 else 1)]
     stack = lambda i: jnp.asarray(np.stack([np.broadcast_to(r[i], runs[0][i].shape) for r in runs]))
 
