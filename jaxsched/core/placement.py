@@ -22,8 +22,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxsched.core import batching
-from jaxsched.core.block_pool import (add_refs, exclusive_cumsum, free_list, mask_rank, take_ranked,
-                                 write_pairs)
+from jaxsched.core.block_pool import (add_refs, exclusive_cumsum, free_list, mask_rank, on_rows,
+                                      put_rows, take_ranked, write_pairs)
 from jaxsched.core.config import Capacity
 
 # Rows of the step's block-pair lists, int32[3, P, 2] (see SchedulerOutput).
@@ -80,42 +80,62 @@ def _admitted_entries(seq_alive, num_tokens, d, admitted, width, block_size):
     return valid, holder, num_blocks, rank
 
 
+class _GroupRows(NamedTuple):
+    """The step values `_admitted_entries` reads, for the rows `on_rows` took."""
+    leader: jax.Array          # int32[R]
+    n_live: jax.Array          # int32[R]
+    prompt_blocks: jax.Array   # int32[R]
+
+
 def _fresh_tables(blk: Blocks, pairs, host_table, seq_alive, num_tokens, d, share, blocks,
                   first_rank, admitted, swapped_in, swap_ignored, block_size):
     """New tables of admitted and swapped-in groups; swapped groups leave the host pool.
 
-    Steps that only admit (the common case) rank the fresh entries row by row and skip the
-    host pool and the swap-in pair list (a `lax.cond`).
+    Only the rows of the groups that move are worked on (`on_rows`: a step admits or swaps
+    in a few groups). Steps that only admit (the common case) rank the fresh entries row
+    by row and skip the host pool and the swap-in pair list (a `lax.cond`).
     """
     g, s, width = blk.block_table.shape
-    valid, holder, is_first = share
-    adm_valid, adm_holder, adm_blocks, adm_rank = _admitted_entries(
-        seq_alive, num_tokens, d, admitted, width, block_size)
     seq = jnp.arange(s, dtype=jnp.int32)[None, :, None]
-    swap_valid = valid & swapped_in[:, None, None]
-    swap_fresh = swap_valid & is_first
-    adm_fresh = adm_valid & (adm_holder == seq)
-    fresh = adm_fresh | swap_fresh
-    new_valid = adm_valid | swap_valid
-    holder = jnp.where(admitted[:, None, None], adm_holder, holder)
-    leaving_host = valid & (swapped_in | swap_ignored)[:, None, None]
 
-    def with_swaps(pairs):
-        fresh_id = take_ranked(blocks, first_rank + mask_rank(fresh), fresh)
-        host_ref = add_refs(blk.host_ref, host_table, leaving_host, -1, groups=swapped_in | swap_ignored)
-        pairs, count = write_pairs(pairs, SWAP_IN, host_table, fresh_id, swap_fresh, groups=swapped_in)
-        return fresh_id, host_ref, pairs, count
+    def rows(at, table, num_blocks, host_rows, valid, holder, is_first, alive, tokens, admitted,
+             swapped_in, swap_ignored, leader, n_live, prompt_blocks):
+        # Scatters over the whole table still take the rows of their own groups only.
+        groups = (lambda mask: mask) if at is None else (lambda mask: None)
+        adm_valid, adm_holder, adm_blocks, adm_rank = _admitted_entries(
+            alive, tokens, _GroupRows(leader, n_live, prompt_blocks), admitted, width, block_size)
+        swap_valid = valid & swapped_in[:, None, None]
+        swap_fresh = swap_valid & is_first
+        adm_fresh = adm_valid & (adm_holder == seq)
+        fresh = adm_fresh | swap_fresh
+        new_valid = adm_valid | swap_valid
+        holder = jnp.where(admitted[:, None, None], adm_holder, holder)
+        leaving = swapped_in | swap_ignored
 
-    def admissions_only(pairs):
-        return take_ranked(blocks, first_rank + adm_rank, adm_fresh), blk.host_ref, pairs, jnp.int32(0)
+        def with_swaps(pairs):
+            # Ranks in flat order over the rows taken are ranks over the table.
+            fresh_id = take_ranked(blocks, first_rank + mask_rank(fresh), fresh)
+            host_ref = add_refs(blk.host_ref, host_rows, valid & leaving[:, None, None], -1,
+                                groups=groups(leaving))
+            pairs, count = write_pairs(pairs, SWAP_IN, host_rows, fresh_id, swap_fresh,
+                                       groups=groups(swapped_in))
+            return fresh_id, host_ref, pairs, count
 
-    fresh_id, host_ref, pairs, count = batching.cond((swapped_in | swap_ignored).any(), with_swaps,
-                                                     admissions_only, pairs, same=True)
-    mapped = jnp.where(new_valid, jnp.take_along_axis(fresh_id, holder, axis=1), 0)
-    table = jnp.where((admitted | swapped_in)[:, None, None], mapped, blk.block_table)
-    num_blocks = jnp.where(admitted[:, None], adm_blocks, blk.num_blocks)
-    device_ref = add_refs(blk.device_ref, mapped, new_valid, 1, groups=admitted | swapped_in)
-    return Blocks(table, num_blocks, device_ref, host_ref), pairs, count
+        def admissions_only(pairs):
+            return take_ranked(blocks, first_rank + adm_rank, adm_fresh), blk.host_ref, pairs, jnp.int32(0)
+
+        fresh_id, host_ref, pairs_out, count = batching.cond(leaving.any(), with_swaps, admissions_only,
+                                                             pairs, same=True)
+        mapped = jnp.where(new_valid, jnp.take_along_axis(fresh_id, holder, axis=1), 0)
+        device_ref = add_refs(blk.device_ref, mapped, new_valid, 1, groups=groups(admitted | swapped_in))
+        table = jnp.where((admitted | swapped_in)[:, None, None], mapped, table)
+        num_blocks = jnp.where(admitted[:, None], adm_blocks, num_blocks)
+        return (Blocks(put_rows(blk.block_table, at, table), put_rows(blk.num_blocks, at, num_blocks),
+                       device_ref, host_ref), pairs_out, count)
+
+    return on_rows(admitted | swapped_in | swap_ignored, rows, blk.block_table, blk.num_blocks,
+                   host_table, *share, seq_alive, num_tokens, admitted, swapped_in, swap_ignored,
+                   d.leader, d.n_live, d.prompt_blocks)
 
 
 def _appends(d: dict, decoding):
