@@ -95,7 +95,7 @@ def _fresh_tables(blk: Blocks, pairs, host_table, seq_alive, num_tokens, d, shar
     in a few groups). Steps that only admit (the common case) rank the fresh entries row
     by row and skip the host pool and the swap-in pair list (a `lax.cond`).
     """
-    g, s, width = blk.block_table.shape
+    _, s, width = blk.block_table.shape
     seq = jnp.arange(s, dtype=jnp.int32)[None, :, None]
 
     def rows(at, table, num_blocks, host_rows, valid, holder, is_first, alive, tokens, admitted,

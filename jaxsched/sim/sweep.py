@@ -5,8 +5,9 @@
 
 Every run shares one static `Capacity` (the largest pool sizes of the grid); what differs is
 a per-run `Limits` (`state.stacked_limits`), stacked along a leading run axis, so changing
-limits never recompiles. One jitted call steps all runs `CHUNK_STEPS` steps; the host loops over chunks
-only (a tqdm bar counts finished requests), until every run has finished every request:
+limits never recompiles. One jitted call steps all runs `CHUNK_STEPS` steps; the host loops
+over chunks only (a tqdm bar counts finished requests), until every run has finished every
+request:
 
     host:    chunk 0 ──> chunk 1 ──> ... ──> all runs drained
     device:  over runs r (jax.vmap, or lax.map) ── lax.scan over steps t ──
