@@ -1,8 +1,6 @@
 """The jitted scheduler: golden vLLM traces, invariants, retracing, vmap, SPEC part B."""
 from __future__ import annotations
 
-import types
-
 import json
 from collections import Counter
 
@@ -233,11 +231,11 @@ def test_admitted_entries__row_ranks_equal_the_flat_rank_of_fresh_entries():
         leader = np.argmax(alive, 1).astype(np.int32)
         prompt = rng.integers(1, 20, g)
         num_tokens = np.where(alive, prompt[:, None] + rng.integers(0, 12, (g, s)), 0)
-        d = types.SimpleNamespace(leader=jnp.asarray(leader), prompt_blocks=jnp.asarray(prompt // block_size),
-                                  n_live=jnp.asarray(alive.sum(1).astype(np.int32)))
         admitted = jnp.asarray(rng.random(g) < 0.5)
-        valid, holder, _, rank = _admitted_entries(jnp.asarray(alive), jnp.asarray(num_tokens), d,
-                                                   admitted, m, block_size)
+        valid, holder, _, rank = _admitted_entries(
+            jnp.asarray(alive), jnp.asarray(num_tokens), jnp.asarray(leader),
+            jnp.asarray(alive.sum(1).astype(np.int32)), jnp.asarray(prompt // block_size),
+            admitted, m, block_size)
         fresh = valid & (holder == jnp.arange(s)[None, :, None])
         assert fresh.any()
         np.testing.assert_array_equal(np.where(fresh, rank, -1), np.where(fresh, mask_rank(fresh), -1))

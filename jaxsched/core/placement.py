@@ -57,7 +57,8 @@ class Blocks(NamedTuple):
     host_ref: jax.Array        # int32[H]
 
 
-def _admitted_entries(seq_alive, num_tokens, d, admitted, width, block_size):
+def _admitted_entries(seq_alive, num_tokens, leader, n_live, prompt_blocks, admitted, width,
+                      block_size):
     """(valid, holder, num_blocks, rank) of the new tables of admitted groups; prompt blocks
     shared (SPEC B1).
 
@@ -70,21 +71,14 @@ def _admitted_entries(seq_alive, num_tokens, d, admitted, width, block_size):
     seq = jnp.arange(s, dtype=jnp.int32)[None, :, None]
     pos = jnp.arange(width)[None, None, :]
     num_blocks = jnp.where(seq_alive, (num_tokens + block_size - 1) // block_size, 0)
-    is_leader = seq[..., 0] == d.leader[:, None]
-    shared = jnp.where((d.n_live > 1)[:, None] & ~is_leader, d.prompt_blocks[:, None], 0)
-    holder = jnp.where(pos < shared[..., None], d.leader[:, None, None].astype(jnp.int32), seq)
+    is_leader = seq[..., 0] == leader[:, None]
+    shared = jnp.where((n_live > 1)[:, None] & ~is_leader, prompt_blocks[:, None], 0)
+    holder = jnp.where(pos < shared[..., None], leader[:, None, None].astype(jnp.int32), seq)
     valid = admitted[:, None, None] & seq_alive[..., None] & (pos < num_blocks[..., None])
     own = jnp.where(admitted[:, None] & seq_alive, jnp.maximum(num_blocks - shared, 0), 0)
     row_start = exclusive_cumsum(own.reshape(-1), bound=own.size * width).reshape(own.shape)
     rank = row_start[..., None] + pos - shared[..., None]
     return valid, holder, num_blocks, rank
-
-
-class _GroupRows(NamedTuple):
-    """The step values `_admitted_entries` reads, for the rows `on_rows` took."""
-    leader: jax.Array          # int32[R]
-    n_live: jax.Array          # int32[R]
-    prompt_blocks: jax.Array   # int32[R]
 
 
 def _fresh_tables(blk: Blocks, pairs, host_table, seq_alive, num_tokens, d, share, blocks,
@@ -103,7 +97,7 @@ def _fresh_tables(blk: Blocks, pairs, host_table, seq_alive, num_tokens, d, shar
         # Scatters over the whole table still take the rows of their own groups only.
         groups = (lambda mask: mask) if at is None else (lambda mask: None)
         adm_valid, adm_holder, adm_blocks, adm_rank = _admitted_entries(
-            alive, tokens, _GroupRows(leader, n_live, prompt_blocks), admitted, width, block_size)
+            alive, tokens, leader, n_live, prompt_blocks, admitted, width, block_size)
         swap_valid = valid & swapped_in[:, None, None]
         swap_fresh = swap_valid & is_first
         adm_fresh = adm_valid & (adm_holder == seq)
