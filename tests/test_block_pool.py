@@ -73,6 +73,29 @@ def test_add_refs_and_write_pairs__masked_entries_only_and_padding_dropped():
     assert (np.asarray(out[0]) == 99).all()
 
 
+# Jitted once per shape: eagerly, every call would trace and compile `on_rows`' cond anew.
+_add_refs = jax.jit(lambda ref, table, mask, delta, groups: bp.add_refs(ref, table, mask, delta,
+                                                                        groups=groups))
+_write_pairs = jax.jit(lambda pairs, table, mask, groups: bp.write_pairs(
+    pairs, 1, table, table + 100, mask, groups=groups))
+
+
+@jax.jit
+def _bump_rows(groups, table, mask):
+    """A rewrite of the marked rows (put_rows puts back the rows taken)."""
+    def bump(at, rows, mask):
+        return bp.put_rows(table, at, jnp.where(mask, rows + 1, rows))
+    return bp.on_rows(groups, bump, table, mask)
+
+
+@jax.jit
+def _add_refs_batched(ref, table, mask, delta, groups):
+    def one(ref, table, mask, delta, groups):
+        with batching.runs_axis("runs"):
+            return bp.add_refs(ref, table, mask, delta, groups=groups)
+    return jax.vmap(one, axis_name="runs")(ref, table, mask, delta, groups)
+
+
 @settings(max_examples=30, deadline=None)
 @given(st.integers(0, 2**31 - 1), st.sampled_from([0, 1, 3, bp.FEW_GROUPS, bp.FEW_GROUPS + 1, 20]),
        st.booleans())
@@ -96,28 +119,16 @@ def test_add_refs_write_pairs_put_rows__rows_of_few_groups_equal_the_whole_table
         return ref, table, mask, delta, groups, expect
 
     ref, table, mask, delta, groups, expect = one(rng, marked)
-    got = bp.add_refs(jnp.asarray(ref), jnp.asarray(table), jnp.asarray(mask), jnp.asarray(delta),
-                      groups=jnp.asarray(groups))
-    np.testing.assert_array_equal(got, expect)
+    np.testing.assert_array_equal(_add_refs(ref, table, mask, delta, groups), expect)
     # write_pairs on the same rows: the masked (table, table + 100) pairs in flat order.
-    pairs = jnp.full((2, g * s * m, 2), 999, jnp.int32)
-    out, count = bp.write_pairs(pairs, 1, jnp.asarray(table), jnp.asarray(table) + 100, jnp.asarray(mask),
-                                groups=jnp.asarray(groups))
+    out, count = _write_pairs(jnp.full((2, g * s * m, 2), 999, jnp.int32), table, mask, groups)
     assert int(count) == mask.sum()
     np.testing.assert_array_equal(out[1, :mask.sum()], np.stack([table[mask], table[mask] + 100], -1))
     assert (np.asarray(out[1, mask.sum():]) == 999).all() and (np.asarray(out[0]) == 999).all()
-    # A rewrite of the marked rows (put_rows puts back the rows taken) leaves the rest as is.
-    def bump(at, rows, mask):
-        return bp.put_rows(jnp.asarray(table), at, jnp.where(mask, rows + 1, rows))
-    got = bp.on_rows(jnp.asarray(groups), bump, jnp.asarray(table), jnp.asarray(mask))
-    np.testing.assert_array_equal(got, np.where(mask, table + 1, table))
+    np.testing.assert_array_equal(_bump_rows(groups, table, mask), np.where(mask, table + 1, table))
     runs = [one(rng, k) for k in (marked, 2, bp.FEW_GROUPS + 3 if marked % 2 else 1)]
-    stack = lambda i: jnp.asarray(np.stack([np.broadcast_to(r[i], runs[0][i].shape) for r in runs]))
-
-    def batched(ref, table, mask, delta, groups):
-        with batching.runs_axis("runs"):
-            return bp.add_refs(ref, table, mask, delta, groups=groups)
-    got = jax.vmap(batched, axis_name="runs")(*(stack(i) for i in range(5)))
+    stack = lambda i: np.stack([np.broadcast_to(r[i], runs[0][i].shape) for r in runs])
+    got = _add_refs_batched(*(stack(i) for i in range(5)))
     np.testing.assert_array_equal(got, np.stack([r[5] for r in runs]))
 
 
