@@ -7,7 +7,7 @@ the CPU default path (`lax.map` over runs) on one thread, persistent cache off, 
 process per option set, the option sets interleaved round by round. Each process splits the
 compile of `sweep_chunk` into tracing (Python), lowering (to StableHLO) and XLA's compile,
 which is given the option set as `compiler_options` (XLA's debug options, for this one
-executable; the front ends' XLA_FLAGS otherwise). The run is the sweep's `stats['run_s']`,
+executable; the front ends' XLA_FLAGS otherwise). The split is the sweep's own `stats`. The run is the sweep's `stats['run_s']`,
 compile apart, per run-step (run-steps: the steps each run takes to drain, summed).
 Results go to benchmarks/results/sweep_compile.{json,md}.
 """
@@ -39,35 +39,16 @@ OPTIONS = {
 
 # Runs in a fresh process: argv is trace.json, axes (JSON), compiler options (JSON).
 WORKER = r"""
-import json, sys, time
+import functools, json, sys
 from jaxsched.entrypoints.xla_flags import use_xla_flags
 use_xla_flags()
 from jaxsched.sim import sweep as sw
-options = json.loads(sys.argv[3]) or None
-split = {}
-
-def executable(args, cap, width, vmap_runs, stats):
-    key = (cap, width, vmap_runs, tuple((x.shape, str(x.dtype)) for x in sw.jax.tree.leaves(args)))
-    if key not in sw._EXECUTABLES:
-        t0 = time.perf_counter()
-        traced = sw.sweep_chunk.trace(*args, cap=cap, width=width, vmap_runs=vmap_runs)
-        t1 = time.perf_counter()
-        lowered = traced.lower()
-        t2 = time.perf_counter()
-        sw._EXECUTABLES[key] = lowered.compile(options)
-        t3 = time.perf_counter()
-        for name, s in (("trace_s", t1 - t0), ("lower_s", t2 - t1), ("xla_s", t3 - t2)):
-            split[name] = split.get(name, 0.0) + s
-        stats["compile_s"] = stats.get("compile_s", 0.0) + t3 - t0
-        stats["compiles"] = stats.get("compiles", 0) + 1
-    return sw._EXECUTABLES[key]
-
-sw._executable = executable
+sw._executable = functools.partial(sw._executable, compiler_options=json.loads(sys.argv[3]) or None)
 stats = {}
 sw.sweep(json.load(open(sys.argv[1])), **json.loads(sys.argv[2]), vmap_runs=1, threads=1,
-                progress=False, stats=stats)
-print(json.dumps(dict(split, compile_s=stats["compile_s"], compiles=stats["compiles"],
-                      run_s=stats["run_s"], run_steps=stats["run_steps"])))
+         progress=False, stats=stats)
+print(json.dumps({k: stats[k] for k in ("trace_s", "lower_s", "xla_s", "compile_s", "compiles",
+                                        "run_s", "run_steps")}))
 """
 
 

@@ -91,6 +91,8 @@ def test_sweep__drained_runs_leave_the_vmapped_batch(vmapped):
     assert stats["run_steps"] == sum(r["steps"] for r in rows)
     assert stats["stepped_run_steps"] < 16 * max(r["steps"] for r in rows)
     assert 0 < stats["compile_s"] < stats["wall_s"] and stats["run_s"] > 0
+    assert min(stats["trace_s"], stats["lower_s"], stats["xla_s"]) > 0
+    assert stats["trace_s"] + stats["lower_s"] + stats["xla_s"] == pytest.approx(stats["compile_s"])
 
 
 def test_sweep__compiles_once_per_shape(vmapped):

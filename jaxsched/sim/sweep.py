@@ -332,17 +332,25 @@ def sweep_chunk(carry, cols, arrival_time, tokens, start, times, cap, width, vma
     return repack(jax.tree.map(flat, groups), flat(rec))
 
 
-def _executable(args, cap, width, vmap_runs, stats):
+def _executable(args, cap, width, vmap_runs, stats, compiler_options=None):
     """The compiled `sweep_chunk` for these shapes (compiled once per process; the time of a
-    compile goes to stats['compile_s'])."""
+    compile goes to stats['compile_s'], split into trace_s, lower_s and xla_s).
+    `compiler_options` are XLA's for this executable (benchmarks/sweep_compile.py)."""
     shapes = tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(args))
-    key = (cap, width, vmap_runs, shapes)
+    key = (cap, width, vmap_runs, shapes, tuple(sorted((compiler_options or {}).items())))
     exe = _EXECUTABLES.get(key)
     if exe is None:
         t0 = time.perf_counter()
-        exe = sweep_chunk.lower(*args, cap=cap, width=width, vmap_runs=vmap_runs).compile()
+        traced = sweep_chunk.trace(*args, cap=cap, width=width, vmap_runs=vmap_runs)
+        t1 = time.perf_counter()
+        lowered = traced.lower()
+        t2 = time.perf_counter()
+        exe = lowered.compile(compiler_options)
+        t3 = time.perf_counter()
         _EXECUTABLES[key] = exe
-        stats["compile_s"] = stats.get("compile_s", 0.0) + time.perf_counter() - t0
+        for name, seconds in (("trace_s", t1 - t0), ("lower_s", t2 - t1), ("xla_s", t3 - t2),
+                              ("compile_s", t3 - t0)):
+            stats[name] = stats.get(name, 0.0) + seconds
         stats["compiles"] = stats.get("compiles", 0) + 1
     return exe
 
@@ -540,7 +548,8 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
     peak_host_blocks_used; with a model, seconds, latency_mean_s, latency_p99_s.
 
     `stats`, a dict, is filled with how the sweep went: wall_s, compile_s (tracing and XLA
-    compiles, apart; 0 when every batch shape was compiled before in this process),
+    compiles, apart; 0 when every batch shape was compiled before in this process; split
+    into trace_s, lower_s and xla_s),
     run_s (the rest), compiles, run_steps (the steps of all runs to drain), path ("vmap" or
     "map"), threads, vmap_group, shard_sizes (runs per shard, shrinking as runs drain),
     stepped_run_steps (run-steps computed, padding included) and num_slots.
@@ -577,7 +586,7 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
         threads = default_threads()
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
         raise SweepError(f"sweep: threads must be a positive integer, got {threads!r}")
-    info = {"compile_s": 0.0, "compiles": 0, "runs": len(configs),
+    info = {"compile_s": 0.0, "trace_s": 0.0, "lower_s": 0.0, "xla_s": 0.0, "compiles": 0, "runs": len(configs),
             "path": "vmap" if vmap_runs > 1 else "map"}
     t0 = time.perf_counter()
     try:
@@ -606,7 +615,8 @@ def _sweep_caching(trace: dict, spec, stats: dict | None, axes: dict, kwargs: di
         cfg = dict(trace, config=dict(trace["config"], **{CACHING_FIELD: on}))
         rows += [dict(r, enable_prefix_caching=on) for r in sweep(cfg, stats=part, **kwargs, **axes)]
         for k, v in part.items():
-            summed = k in ("wall_s", "compile_s", "run_s", "compiles", "runs", "run_steps", "stepped_run_steps")
+            summed = k in ("wall_s", "compile_s", "trace_s", "lower_s", "xla_s", "run_s", "compiles", "runs",
+                           "run_steps", "stepped_run_steps")
             total[k] = total.get(k, 0) + v if summed else v
     if stats is not None:
         stats.update(total)
