@@ -97,7 +97,8 @@ def test_sweep__drained_runs_leave_the_vmapped_batch(vmapped):
 
 def test_sweep__compiles_once_per_shape(vmapped):
     _, stats = vmapped
-    assert stats["compiles"] == len(set(stats["shard_sizes"]))   # many chunks, one compile per shape
+    # Many chunks, one compile per shape, and one of the first batch's builder.
+    assert stats["compiles"] == len(set(stats["shard_sizes"])) + 1
     again = {}
     other = sweep(TRACE, num_device_blocks=[10, 14, 24, 30], max_num_seqs=[5, 7],
                   preemption_mode=["auto", "swap"], capacity=CAPACITY, vmap_runs=16, threads=2,

@@ -571,7 +571,14 @@ def stacked_limits(configs) -> Limits:
 
 def init_state(config: SchedulerConfig) -> SchedulerState:
     """An empty scheduler: no requests, every active block free."""
-    cap: Capacity = config.capacity()
+    return empty_state(config.capacity(), make_limits(config), config.seed,
+                       config.artificial_preemption_count)
+
+
+def empty_state(cap: Capacity, limits: Limits, seed, artificial_count) -> SchedulerState:
+    """`init_state` from its parts: only the capacity is static, so under `jax.jit` the
+    limits, seed and artificial preemption count may be traced (a sweep builds the states
+    of all its runs in one compiled call)."""
     g, s, m = cap.num_slots, cap.max_seqs_per_group, cap.max_blocks_per_seq
     zi = lambda *shape: jnp.zeros(shape, jnp.int32)
     return SchedulerState.from_fields(
@@ -585,9 +592,9 @@ def init_state(config: SchedulerConfig) -> SchedulerState:
         tail_key=jnp.asarray(0, jnp.int32), front_key=jnp.asarray(-1, jnp.int32),
         step=jnp.asarray(0, jnp.int32),
         prev_time=jnp.asarray(0.0, jnp.float32), last_prompt_latency=jnp.asarray(0.0, jnp.float32),
-        prev_admitted=jnp.asarray(False), rng=jax.random.PRNGKey(config.seed),
-        artificial_count=jnp.asarray(config.artificial_preemption_count, jnp.int32),
-        limits=make_limits(config),
+        prev_admitted=jnp.asarray(False), rng=jax.random.PRNGKey(seed),
+        artificial_count=jnp.asarray(artificial_count, jnp.int32),
+        limits=limits,
         **(_cache_fields(cap) if cap.enable_prefix_caching else {}),
         key_bits=cap.prefix_key_bits,
     )

@@ -66,7 +66,7 @@ from jaxsched.core.costs import PreemptionCosts
 from jaxsched.core.requests import RequestBatch
 from jaxsched.sim.capacity import longest_sequence, needed_capacity, pow2, replay_capacity
 from jaxsched.sim.simulate import CHUNK_STEPS, replay_step
-from jaxsched.core.state import EMPTY, FINISHED, IGNORED, init_state, stacked_limits
+from jaxsched.core.state import EMPTY, FINISHED, IGNORED, empty_state, stacked_limits
 from jaxsched.sim.trace import Trace, TraceError, parse_trace
 # "auto" is the cost-based mode (the trace config's preemption_costs, else the default
 # costs); vLLM's default (None: recompute one sequence, swap more) is "default" or "none".
@@ -336,12 +336,19 @@ def _executable(args, cap, width, vmap_runs, stats, compiler_options=None):
     """The compiled `sweep_chunk` for these shapes (compiled once per process; the time of a
     compile goes to stats['compile_s'], split into trace_s, lower_s and xla_s).
     `compiler_options` are XLA's for this executable (benchmarks/sweep_compile.py)."""
+    return _compiled(sweep_chunk, args, dict(cap=cap, width=width, vmap_runs=vmap_runs), stats,
+                     compiler_options)
+
+
+def _compiled(fn, args, static: dict, stats, compiler_options=None):
+    """`fn` (a jitted function) compiled for these arguments' shapes and its static
+    arguments, once per process, its compile time counted in `stats`."""
     shapes = tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(args))
-    key = (cap, width, vmap_runs, shapes, tuple(sorted((compiler_options or {}).items())))
+    key = (fn, tuple(static.items()), shapes, tuple(sorted((compiler_options or {}).items())))
     exe = _EXECUTABLES.get(key)
     if exe is None:
         t0 = time.perf_counter()
-        traced = sweep_chunk.trace(*args, cap=cap, width=width, vmap_runs=vmap_runs)
+        traced = fn.trace(*args, **static)
         t1 = time.perf_counter()
         lowered = traced.lower()
         t2 = time.perf_counter()
@@ -353,6 +360,20 @@ def _executable(args, cap, width, vmap_runs, stats, compiler_options=None):
             stats[name] = stats.get(name, 0.0) + seconds
         stats["compiles"] = stats.get("compiles", 0) + 1
     return exe
+
+
+@functools.partial(jax.jit, static_argnames=("capacity", "shards"))
+def first_batch(limits, per_request, seed, artificial_count, capacity, shards):
+    """The starting carry of every shard: an empty state of `capacity` for each run, with
+    that run's `limits` (stacked), and its per_request rows. One compiled call per capacity
+    and batch shape: built eagerly, the same takes a few dozen small XLA compiles and
+    dispatches of its own (about 2 s of a first sweep)."""
+    runs = per_request.shape[0]
+    one = empty_state(capacity, jax.tree.map(lambda x: x[0], limits), seed, artificial_count)
+    state = jax.tree.map(lambda x: jnp.broadcast_to(x, (runs,) + x.shape), one).replace(limits=limits)
+    size = runs // shards
+    return [jax.tree.map(lambda x: x[i * size:(i + 1) * size], (state, per_request))
+            for i in range(shards)]
 
 
 def default_threads() -> int:
@@ -407,18 +428,16 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
 
     stats = {} if stats is None else stats
     cap_config = dataclasses.replace(configs[0], **cap)
-    base = init_state(cap_config)
     reqs, runs = trace.requests, len(configs)
     shards = max(1, min(threads, runs))
     size, group = _shard_size(runs, runs, shards, vmap_runs)
     ids = _deal(runs, size * shards, shards)       # the run at each position (-1: padding)
-    batch_of = lambda x: jnp.broadcast_to(x, (len(ids),) + x.shape)          # noqa: E731
-    state = jax.tree.map(batch_of, base).replace(
-        limits=stacked_limits([configs[r if r >= 0 else runs - 1] for r in ids]))
+    limits = stacked_limits([configs[r if r >= 0 else runs - 1] for r in ids])
     # A padding run starts drained (every request has a finish step): lax.map skips it.
     per_request = np.full((len(ids), 4, len(reqs)), -1, np.int32)
     per_request[ids < 0] = 0
-    batch = (state, jnp.asarray(per_request))
+    args = (limits, per_request, np.int32(cap_config.seed), np.int32(cap_config.artificial_preemption_count))
+    carries = _compiled(first_batch, args, dict(capacity=cap_config.capacity(), shards=shards), stats)(*args)
     steps = np.array([r["arrival_step"] for r in reqs])
     order = np.argsort(steps, kind="stable")
     cols = np.array([[r[k] for r in reqs] for k in ("arrival_step", "prompt_len", "n", "max_tokens")])
@@ -441,7 +460,6 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
     def join(carries):
         return carries[0] if len(carries) == 1 else jax.tree.map(lambda *xs: jnp.concatenate(xs), *carries)
 
-    carries = split(batch)
     with tqdm(total=runs * len(reqs), disable=not progress, desc="sweep", unit="req") as bar, \
             concurrent.futures.ThreadPoolExecutor(shards) as pool:
         while (done < len(reqs)).any():
@@ -489,7 +507,7 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
     bad = np.nonzero((done < len(reqs)) | (last >= trace.max_steps))[0]
     if bad.size:
         _unfinished(trace, configs, bad)
-    kept = np.asarray(join(carries)[1])
+    kept = np.concatenate([np.asarray(c[1]) for c in carries])     # on the host: no device op
     real = ids >= 0
     final[ids[real]] = kept[real]
     return np.concatenate(chunks, axis=1), final
@@ -550,7 +568,8 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
     `stats`, a dict, is filled with how the sweep went: wall_s, compile_s (tracing and XLA
     compiles, apart; 0 when every batch shape was compiled before in this process; split
     into trace_s, lower_s and xla_s),
-    run_s (the rest), compiles, run_steps (the steps of all runs to drain), path ("vmap" or
+    run_s (the rest), compiles (the chunk's, one per batch shape, and the first batch's,
+    one per capacity and batch shape), run_steps (the steps of all runs to drain), path ("vmap" or
     "map"), threads, vmap_group, shard_sizes (runs per shard, shrinking as runs drain),
     stepped_run_steps (run-steps computed, padding included) and num_slots.
     """
