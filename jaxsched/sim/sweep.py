@@ -289,7 +289,8 @@ def _step(carry, x, cols, arrival_time, tokens, cap, width):
 
 
 RUNS = "runs"       # the vmap axis name of a batch of runs (core.batching decides skips over it)
-# Compiled chunk steps by shapes: (cap, width, vmap group, argument shapes) -> executable.
+# Compiled programs of a sweep (`_compiled`): (function, static arguments, argument shapes,
+# XLA options) -> executable: the chunk step per batch shape, and `first_batch`.
 _EXECUTABLES: dict = {}
 
 
