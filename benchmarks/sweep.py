@@ -1,7 +1,8 @@
 """Capacity sweeps as the grid grows: cost per run-step of each sweep path, beside one run at a time.
 
     python benchmarks/sweep.py [--sizes 16,64,256,1024] [--paths map,vmap] [--sample 8]
-                               [--vmap-chunks 4] [--full-vmap-up-to 256]
+                               [--simulate-sample 8] [--vmap-chunks 4] [--full-vmap-up-to 256]
+                               [--results DIR]
 
 One synthetic 500-request trace (Poisson arrivals at 0.5 requests per step, log-normal
 prompts of ~60 and outputs of ~25 tokens, 20% of requests with n in 2..4), swept over
@@ -29,7 +30,9 @@ Every timed python-loop and simulate run is checked against the sweep's row for 
 configuration (steps and preemptions). Results go to benchmarks/results/sweep.{json,md} and
 the plot of cost per run-step against grid size to sweep_scaling.png; the rows of the
 64-configuration grid to sweep_{latency,preemptions}.png. On an accelerator the same script
-runs as is (the sweep's defaults become one vmap over all runs on one thread).
+runs as is (the sweep's defaults become one vmap over all runs on one thread), its files
+named sweep_gpu.* (sweep_BACKEND.*) beside the CPU's; `benchmarks/gpu_checks.sh` is that
+run as one script, with the command line it was made with.
 """
 
 import argparse
@@ -108,7 +111,7 @@ def time_sweep(trace, axes, vmap_runs, threads, max_steps=None):
     return rows, stats
 
 
-def one_size(trace, size, paths, sample, vmap_chunks, full_vmap_up_to):
+def one_size(trace, size, paths, sample, vmap_chunks, full_vmap_up_to, simulate_sample):
     axes = grid(size)
     threads = default_threads()
     out, rows = [], None
@@ -145,6 +148,16 @@ def one_size(trace, size, paths, sample, vmap_chunks, full_vmap_up_to):
         check(rows[i], result, "the python loop")
     note = "all runs" if len(picks) == size else f"{len(picks)} of {size} runs timed, extrapolated"
     out.insert(0, entry(size, "python loop (reference)", ref_t / ref_steps * run_steps, None, run_steps, note))
+    if simulate_sample:
+        out.insert(1, time_simulate(trace, axes, rows, picks[:simulate_sample], size, run_steps))
+    for e in out:
+        e["speedup_vs_python"] = out[0]["wall_s"] / e["wall_s"]
+    return out, rows
+
+
+def time_simulate(trace, axes, rows, picks, size, run_steps):
+    """`simulate` one configuration at a time (one compile, shared capacity), checked and extrapolated."""
+    note = "all runs, one compile" if len(picks) == size else f"{len(picks)} of {size} runs timed, extrapolated"
     parsed = parse_trace(trace)
     _, configs = make_grid(parsed.scheduler_config, {k: parse_values(k, v) for k, v in axes.items()})
     capacity = sweep_capacity(parsed, configs)
@@ -158,11 +171,8 @@ def one_size(trace, size, paths, sample, vmap_chunks, full_vmap_up_to):
         sim_t += time.perf_counter() - t0
         sim_steps += rows[i]["steps"]
         check(rows[i], result, "simulate")
-    out.insert(1, entry(size, "simulate, one run at a time", sim_t / sim_steps * run_steps,
-                        max(0.0, first - sim_t / len(picks)), run_steps, note.replace("all runs", "all runs, one compile")))
-    for e in out:
-        e["speedup_vs_python"] = out[0]["wall_s"] / e["wall_s"]
-    return out, rows
+    return entry(size, "simulate, one run at a time", sim_t / sim_steps * run_steps,
+                 max(0.0, first - sim_t / len(picks)), run_steps, note)
 
 
 # Runs in a fresh process: argv is trace.json, axes (JSON), cache directory.
@@ -197,20 +207,20 @@ def compile_starts(trace, size: int = 64) -> list:
     return out
 
 
-def plot(table, path):
+def plot(table, path, backend):
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(6, 4), layout="constrained")
     ax = fig.subplots()
     for i, method in enumerate(dict.fromkeys(t["method"] for t in table)):
-        pts = [t for t in table if t["method"] == method]
+        pts = sorted((t for t in table if t["method"] == method), key=lambda t: t["configs"])
         ax.plot([t["configs"] for t in pts], [t["us_per_run_step"] for t in pts], marker="o",
                 color=f"C{i}", label=method)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("configurations in the grid")
     ax.set_ylabel("wall time per run-step (us), compile apart")
-    ax.set_title(f"Capacity sweep, {TRACE['num_requests']}-request trace ({jax.default_backend()})")
+    ax.set_title(f"Capacity sweep, {TRACE['num_requests']}-request trace ({backend})")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.savefig(path, dpi=120)
@@ -222,6 +232,9 @@ def main() -> None:
     ap.add_argument("--paths", default="map,vmap",
                     help="sweep paths: map, vmap (one thread), vmap-threads (vmap, a shard per core)")
     ap.add_argument("--sample", type=int, default=8, help="python-loop and simulate runs timed per size")
+    ap.add_argument("--simulate-sample", type=int, default=None,
+                    help="simulate runs timed per size (default: --sample; 0 leaves simulate out)")
+    ap.add_argument("--results", default=str(RESULTS), help="directory for the tables and plots")
     ap.add_argument("--vmap-chunks", type=int, default=4, help="chunks timed where vmap is extrapolated")
     ap.add_argument("--full-vmap-up-to", type=int, default=256,
                     help="largest grid whose vmapped sweep runs to the end")
@@ -233,7 +246,8 @@ def main() -> None:
     trace = generate_trace(**TRACE)
     table, rows64 = [], None
     for size in sizes:
-        part, rows = one_size(trace, size, paths, args.sample, args.vmap_chunks, args.full_vmap_up_to)
+        part, rows = one_size(trace, size, paths, args.sample, args.vmap_chunks, args.full_vmap_up_to,
+                              args.sample if args.simulate_sample is None else args.simulate_sample)
         table += part
         if size == 64:
             rows64 = rows
@@ -241,14 +255,15 @@ def main() -> None:
     starts = compile_starts(trace) if 64 in sizes and "map" in paths else []
     if starts:
         print(markdown_table(starts, list(starts[0])), flush=True)
-    env = dict(backend=jax.default_backend(), jax=jax.__version__, machine=platform.machine(),
+    env = dict(backend=jax.default_backend(), device=jax.devices()[0].device_kind, jax=jax.__version__,
+               machine=platform.machine(),
                cpus=os.cpu_count(), threads=default_threads(), load_before=load_before,
                load_after=os.getloadavg()[0], total_s=time.perf_counter() - t_start)
     columns = ["configs", "method", "wall_s", "compile_s", "run_steps", "run_steps_per_s",
                "us_per_run_step", "speedup_vs_python", "timed"]
     sweeps = [t for t in table if t["method"].startswith("sweep")]
     lines = [f"# Capacity sweep scaling: {args.sizes} configurations, {TRACE['num_requests']} requests "
-             f"({env['backend']}, {env['machine']}, {env['cpus']} CPUs)", "",
+             f"({env['backend']}: {env['device']}; {env['machine']}, {env['cpus']} CPUs; jax {env['jax']})", "",
              f"Trace: Poisson arrivals at {TRACE['rate']} requests/step, prompts LogNormal(4.0, 0.6), "
              f"outputs LogNormal(3.2, 0.6), n_share 0.2; grids of 2 preemption modes x max_num_seqs "
              f"24/32/48/64 x N/8 num_device_blocks from 128. wall_s excludes compiles (compile_s, "
@@ -257,7 +272,7 @@ def main() -> None:
              "", markdown_table(table, columns), ""]
     by = {(t["configs"], t["method"]): t for t in table}
     for method in dict.fromkeys(t["method"] for t in sweeps):
-        have = [s for s in sizes if (s, method) in by]
+        have = [s for s in sorted(sizes) if (s, method) in by]
         if len(have) > 1:
             lo, hi = by[(have[0], method)], by[(have[-1], method)]
             lines.append(f"- {method}: cost per run-step at {have[-1]} is "
@@ -267,6 +282,9 @@ def main() -> None:
         if t["configs"] == 64:
             lines.append(f"- {t['method']} at 64: {t['speedup_vs_python']:.2f}x the python loop, "
                          f"compile apart (target >= 5x); compile {t['compile_s']:.1f} s (target < 5 s).")
+        if t["configs"] == 1024 and env["backend"] != "cpu":
+            lines.append(f"- {t['method']} at 1024: {t['speedup_vs_python']:.1f}x the python loop, "
+                         f"compile apart (target >= 100x on an accelerator).")
     lines.append("")
     if starts:
         lines += ["## Compile time across starts (map sweep, persistent compilation cache)", "",
@@ -276,17 +294,19 @@ def main() -> None:
     if rows64:
         lines += ["## The 64-configuration grid, per configuration", "",
                   markdown_table(rows64, list(rows64[0])), ""]
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "sweep.md").write_text("\n".join(lines))
+    results = pathlib.Path(args.results)
+    results.mkdir(parents=True, exist_ok=True)
+    name = "sweep" if env["backend"] == "cpu" else f"sweep_{env['backend']}"
+    (results / f"{name}.md").write_text("\n".join(lines))
     trace_params = {k: dataclasses.asdict(v) if isinstance(v, LogNormal) else v for k, v in TRACE.items()}
-    (RESULTS / "sweep.json").write_text(json.dumps(
+    (results / f"{name}.json").write_text(json.dumps(
         dict(trace=trace_params, sizes=sizes, environment=env, methods=table, compile_starts=starts,
              rows_64=rows64), indent=1))
-    plot(table, RESULTS / "sweep_scaling.png")
-    if rows64:
-        plot_results(rows64, RESULTS, "sweep")
+    plot(table, results / f"{name}_scaling.png", f"{env['backend']}: {env['device']}")
+    if rows64 and name == "sweep":
+        plot_results(rows64, results, "sweep")
     print("\n".join(lines[:len(lines)]))
-    print(f"wrote {RESULTS}/sweep.md, sweep.json, sweep_scaling.png")
+    print(f"wrote {results}/{name}.md, {name}.json, {name}_scaling.png")
 
 
 if __name__ == "__main__":
