@@ -15,11 +15,11 @@ prompts of ~60 and outputs of ~25 tokens, 20% of requests with n in 2..4), swept
                  static capacity (one compile, listed apart); --sample of them timed
   sweep map:     `jaxsched.sim.sweep`, a `lax.map` over runs, one shard per CPU core on host
                  threads (the CPU default); every run to the end
-  sweep vmap:    `jax.vmap` over all runs of a shard (vmap_runs=N), skips decided once for the
-                 batch, drained runs compacted away; every run to the end up to
-                 --full-vmap-up-to configurations, above that the first --vmap-chunks chunks
-                 timed and extrapolated to the map path's run-steps
-
+  sweep vmap:    `jax.vmap` over all runs of a shard (vmap_runs=N), drained runs compacted
+                 away; skips decided once for the batch (`skips`) or none at all, every branch
+                 masked (`no skips`: --paths vmap-noskip; `vmap` takes the backend's default);
+                 every run to the end up to --full-vmap-up-to configurations, above that the
+                 first --vmap-chunks chunks timed and extrapolated to the map path's run-steps
 Compile time (tracing and XLA) is the sweep's own `stats['compile_s']`, apart from the wall
 time of the runs. A second table starts fresh processes on the 64-configuration map sweep with
 the persistent compilation cache (as `jaxsched sweep` has it) in an empty directory: the first
@@ -54,8 +54,8 @@ import jax  # noqa: E402
 from jaxsched import simulate  # noqa: E402
 from jaxsched.entrypoints.cli_sweep import markdown_table, plot_results  # noqa: E402
 from jaxsched.sim.reference import simulate_reference  # noqa: E402
-from jaxsched.sim.sweep import (CHUNK_STEPS, default_threads, make_grid, parse_values, sweep,
-                                sweep_capacity)  # noqa: E402
+from jaxsched.sim.sweep import (CHUNK_STEPS, default_threads, default_vmap_skips, make_grid,
+                                parse_values, sweep, sweep_capacity)  # noqa: E402
 from jaxsched.sim.trace import parse_trace  # noqa: E402
 from jaxsched.sim.workload import LogNormal, generate_trace  # noqa: E402
 
@@ -98,17 +98,23 @@ def entry(size, method, run_s, compile_s, run_steps, note):
                 run_steps_per_s=run_steps / run_s, us_per_run_step=run_s / run_steps * 1e6, timed=note)
 
 
-def time_sweep(trace, axes, vmap_runs, threads, max_steps=None):
+def time_sweep(trace, axes, vmap_runs, threads, max_steps=None, vmap_skips=None):
     stats = {}
     if max_steps is not None:
         trace = dict(trace, config=dict(trace["config"], max_steps=max_steps))
     try:
-        rows = sweep(trace, **axes, vmap_runs=vmap_runs, threads=threads, progress=False, stats=stats)
+        rows = sweep(trace, **axes, vmap_runs=vmap_runs, threads=threads, progress=False, stats=stats,
+                     vmap_skips=vmap_skips)
     except RuntimeError:
         if max_steps is None:
             raise
         rows = None
     return rows, stats
+
+
+# vmap paths: (threads: all cores or one, skips: None for the backend's default)
+VMAP_PATHS = {"vmap": ("one", None), "vmap-threads": ("all", None), "vmap-skip": ("one", True),
+              "vmap-noskip": ("one", False)}
 
 
 def one_size(trace, size, paths, sample, vmap_chunks, full_vmap_up_to, simulate_sample):
@@ -120,21 +126,25 @@ def one_size(trace, size, paths, sample, vmap_chunks, full_vmap_up_to, simulate_
         if "map" in paths:
             out.append(entry(size, f"sweep map, {threads} threads", st["run_s"], st["compile_s"],
                              st["run_steps"], "all runs"))
-    if paths & {"vmap", "vmap-threads"}:
-        vmap_threads = threads if "vmap-threads" in paths else 1
+    for path in [p for p in VMAP_PATHS if p in paths]:
+        which, skips = VMAP_PATHS[path]
+        vmap_threads = threads if which == "all" else 1
+        skips = default_vmap_skips() if skips is None else skips
+        method = f"sweep vmap, {'skips' if skips else 'no skips'}, {vmap_threads} thread(s)"
         if size <= full_vmap_up_to or rows is None:
-            vrows, st = time_sweep(trace, axes, size, vmap_threads)
+            vrows, st = time_sweep(trace, axes, size, vmap_threads, vmap_skips=skips)
             if rows is not None:
                 assert [{k: r[k] for k in SWEPT + ("steps", "num_preemptions")} for r in vrows] == \
                     [{k: r[k] for k in SWEPT + ("steps", "num_preemptions")} for r in rows]
             rows = rows or vrows
-            out.append(entry(size, f"sweep vmap, {vmap_threads} thread(s)", st["run_s"], st["compile_s"],
+            out.append(entry(size, method, st["run_s"], st["compile_s"],
                              st["run_steps"], f"all runs, batch {st['shard_sizes']} per shard"))
         else:
-            _, st = time_sweep(trace, axes, size, vmap_threads, max_steps=vmap_chunks * CHUNK_STEPS)
+            _, st = time_sweep(trace, axes, size, vmap_threads, max_steps=vmap_chunks * CHUNK_STEPS,
+                               vmap_skips=skips)
             steps = sum(r["steps"] for r in rows)
             per = st["run_s"] / (size * vmap_chunks * CHUNK_STEPS)
-            out.append(entry(size, f"sweep vmap, {vmap_threads} thread(s)", per * steps, st["compile_s"],
+            out.append(entry(size, method, per * steps, st["compile_s"],
                              steps, f"{vmap_chunks} of {-(-max(r['steps'] for r in rows) // CHUNK_STEPS)} "
                                     f"chunks timed, extrapolated"))
     run_steps = sum(r["steps"] for r in rows)
@@ -230,7 +240,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="16,64,256,1024", help="grid sizes (multiples of 8)")
     ap.add_argument("--paths", default="map,vmap",
-                    help="sweep paths: map, vmap (one thread), vmap-threads (vmap, a shard per core)")
+                    help="sweep paths: map, vmap (one thread), vmap-threads (vmap, a shard per core), "
+                         "vmap-skip and vmap-noskip (one thread, skips forced on or off)")
     ap.add_argument("--sample", type=int, default=8, help="python-loop and simulate runs timed per size")
     ap.add_argument("--simulate-sample", type=int, default=None,
                     help="simulate runs timed per size (default: --sample; 0 leaves simulate out)")

@@ -108,6 +108,24 @@ def test_sweep__compiles_once_per_shape(vmapped):
     assert [r["num_device_blocks"] for r in other[:4]] == [10, 14, 24, 30]
 
 
+def test_sweep__a_batch_that_skips_nothing_gives_the_same_rows(vmapped):
+    """vmap_skips=False: every branch computed for every run and masked, no conditional
+    (the accelerator's straight-line step); rows equal the skipping batch's, which equal
+    simulate's; compaction still happens, one compile per batch shape."""
+    rows, skipping = vmapped
+    stats = {}
+    straight = sweep(TRACE, **GRID, capacity=CAPACITY, vmap_runs=16, threads=2, progress=False,
+                     vmap_skips=False, stats=stats)
+    assert stats["vmap_skips"] is False and skipping["vmap_skips"] is True
+    assert stats["shard_sizes"] == skipping["shard_sizes"]
+    # A chunk per batch shape (skips is static); the first batch's builder is the fixture's.
+    assert stats["compiles"] == len(set(stats["shard_sizes"]))
+    key = lambda rs: [{k: r[k] for k in (*GRID, *METRICS)} for r in rs]   # noqa: E731
+    assert key(straight) == key(rows)
+    with pytest.raises(SweepError, match="vmap_skips must be True or False"):
+        sweep(TRACE, **GRID, capacity=CAPACITY, vmap_skips="no", progress=False)
+
+
 def test_sweep__auto_with_costs_that_always_favour_swap_equals_swap(vmapped, tmp_path):
     """Mode "auto" sweeps like any mode; its costs are limits (no compile) and come from a file."""
     rows, _ = vmapped

@@ -13,6 +13,12 @@ Where the work branch gives the skip branch's result for every run that could ha
 (`same=True`, e.g. freeing no finished group, sorting an order that is already sorted), no
 select is needed at all: the tests compare every run with the unbatched replay.
 
+With `runs_axis(name, skips=False)` nothing is skipped: every helper computes its work
+for every run and masks it (`cond` and `switch` trace no conditional at all). A large batch
+needs almost every branch in almost every step anyway, and on an accelerator each
+conditional costs a copy of its predicate to the host and a stall of the device, while the
+straight-line step launches back to back (benchmarks/results/sweep_gpu.md measures both).
+
 Outside `runs_axis` (the engine, `simulate`, a `lax.map` over runs) every helper is the
 plain `lax.cond` / `lax.switch`.
 """
@@ -25,13 +31,17 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+# (axis name, skips) while tracing for a batch of runs; None outside.
 _AXIS: contextvars.ContextVar = contextvars.ContextVar("jaxsched_runs_axis", default=None)
 
 
 @contextlib.contextmanager
-def runs_axis(name: str | None):
-    """Trace the enclosed code with `name` as the (vmapped) axis of runs; None: unbatched."""
-    token = _AXIS.set(name)
+def runs_axis(name: str | None, skips: bool = True):
+    """Trace the enclosed code with `name` as the (vmapped) axis of runs; None: unbatched.
+
+    `skips`: a skip is taken when no run of the batch needs the work; False: no skip at all
+    (every branch computed and masked, no conditional traced)."""
+    token = _AXIS.set(None if name is None else (name, skips))
     try:
         yield
     finally:
@@ -39,15 +49,20 @@ def runs_axis(name: str | None):
 
 
 def current_axis() -> str | None:
-    return _AXIS.get()
+    ctx = _AXIS.get()
+    return None if ctx is None else ctx[0]
 
 
 def any_run(pred) -> jax.Array:
     """`pred` of some run of the batch (the same, unbatched, for every run); `pred` outside."""
-    axis = _AXIS.get()
+    axis = current_axis()
     if axis is None:
         return jnp.asarray(pred)
     return lax.pmax(jnp.asarray(pred).astype(jnp.int32), axis) > 0
+
+
+def _skips() -> bool:
+    return _AXIS.get()[1]
 
 
 def _select(pred, a, b):
@@ -61,11 +76,11 @@ def cond(pred, work, skip, *operands, same: bool = False):
     """
     if _AXIS.get() is None:
         return lax.cond(pred, work, skip, *operands)
-    if same:
-        return lax.cond(any_run(pred), work, skip, *operands)
 
     def both(*ops):
-        return _select(pred, work(*ops), skip(*ops))
+        return work(*ops) if same else _select(pred, work(*ops), skip(*ops))
+    if not _skips():
+        return both(*operands)
     return lax.cond(any_run(pred), both, skip, *operands)
 
 
@@ -79,15 +94,18 @@ def switch(index, branches, *operands, covers: bool = False):
     """
     if _AXIS.get() is None:
         return lax.switch(index, branches, *operands)
-    top = lax.pmax(jnp.asarray(index, jnp.int32), _AXIS.get())
-    if covers:
-        return lax.switch(top, branches, *operands)
 
     def upto(k):
+        if covers:
+            return branches[k]
+
         def branch(*ops):
             out = branches[0](*ops)
             for j in range(1, k + 1):
                 out = _select(index == j, branches[j](*ops), out)
             return out
         return branch
+    if not _skips():            # the costliest branch, which covers (or selects) the others
+        return upto(len(branches) - 1)(*operands)
+    top = lax.pmax(jnp.asarray(index, jnp.int32), current_axis())
     return lax.switch(top, [upto(k) for k in range(len(branches))], *operands)

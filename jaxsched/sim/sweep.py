@@ -294,8 +294,8 @@ RUNS = "runs"       # the vmap axis name of a batch of runs (core.batching decid
 _EXECUTABLES: dict = {}
 
 
-@functools.partial(jax.jit, static_argnames=("cap", "width", "vmap_runs"), donate_argnums=(0,))
-def sweep_chunk(carry, cols, arrival_time, tokens, start, times, cap, width, vmap_runs):
+@functools.partial(jax.jit, static_argnames=("cap", "width", "vmap_runs", "skips"), donate_argnums=(0,))
+def sweep_chunk(carry, cols, arrival_time, tokens, start, times, cap, width, vmap_runs, skips=True):
     """Steps start.. start+K-1 (K = len(times)) of every run of the batch.
 
     `carry` is (state, per_request) with a leading run axis; returns it and the records
@@ -303,7 +303,8 @@ def sweep_chunk(carry, cols, arrival_time, tokens, start, times, cap, width, vma
     `vmap_runs` = 1: a `lax.map` over runs, each run's skips its own (a drained run skips
     the chunk). Else `jax.vmap` over groups of `vmap_runs` runs (a `lax.map` over the
     groups when that is fewer than all), traced under `batching.runs_axis`: every skip is
-    decided once for the group, so the work is done when some run of the group needs it.
+    decided once for the group, so the work is done when some run of the group needs it;
+    with `skips` False, never skipped (masks only: `batching.runs_axis`).
     """
     steps = start + jnp.arange(times.shape[0], dtype=jnp.int32)
     # Inside the chunk the state is stored one leaf per field: a step's writes then touch
@@ -321,7 +322,7 @@ def sweep_chunk(carry, cols, arrival_time, tokens, start, times, cap, width, vma
         return repack(*lax.map(lambda c: lax.cond(drained(c), idle, chunk, c), carry))
 
     def one(c):
-        with batching.runs_axis(RUNS):
+        with batching.runs_axis(RUNS, skips):
             return batching.cond(~drained(c), chunk, idle, c, same=True)
     many = jax.vmap(one, axis_name=RUNS)
     runs = carry[1].shape[0]
@@ -333,12 +334,12 @@ def sweep_chunk(carry, cols, arrival_time, tokens, start, times, cap, width, vma
     return repack(jax.tree.map(flat, groups), flat(rec))
 
 
-def _executable(args, cap, width, vmap_runs, stats, compiler_options=None):
+def _executable(args, cap, width, vmap_runs, stats, compiler_options=None, skips=True):
     """The compiled `sweep_chunk` for these shapes (compiled once per process; the time of a
     compile goes to stats['compile_s'], split into trace_s, lower_s and xla_s).
     `compiler_options` are XLA's for this executable (benchmarks/sweep_compile.py)."""
-    return _compiled(sweep_chunk, args, dict(cap=cap, width=width, vmap_runs=vmap_runs), stats,
-                     compiler_options)
+    return _compiled(sweep_chunk, args, dict(cap=cap, width=width, vmap_runs=vmap_runs, skips=skips),
+                     stats, compiler_options)
 
 
 def _compiled(fn, args, static: dict, stats, compiler_options=None):
@@ -388,6 +389,13 @@ def default_threads() -> int:
         return os.cpu_count() or 1
 
 
+def default_vmap_skips() -> bool:
+    """Whether a vmapped sweep skips unneeded work by default: on the CPU, where a step costs
+    the work of the branches it runs, yes; on an accelerator, where every conditional stalls
+    the device for a copy of its predicate, by measurement (benchmarks/results/sweep_gpu.md)."""
+    return True
+
+
 def _shard_size(live: int, first: int, shards: int, vmap_runs: int) -> tuple[int, int]:
     """(runs per shard, runs per vmap group) for `live` runs left of `first`.
 
@@ -413,7 +421,7 @@ def _deal(count: int, total: int, shards: int) -> np.ndarray:
 
 
 def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: int, progress: bool,
-            threads: int = 1, stats: dict | None = None):
+            threads: int = 1, stats: dict | None = None, skips: bool = True):
     """Run every config to the end; (records [runs, T, NUM_COLS], per_request [runs, 4, N]) or
     None when some run had more requests alive than slots.
 
@@ -469,7 +477,7 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
             times = jnp.asarray(np.arange(start, start + CHUNK_STEPS, dtype=np.float32) * trace.step_time)
             first = jnp.int32(start)
             exe = _executable((carries[0], cols, arrival_time, tokens, first, times), capacity, width,
-                              group, stats)
+                              group, stats, skips=skips)
             advance = lambda c: exe(c, cols, arrival_time, tokens, first, times)   # noqa: E731
             out = [advance(carries[0])] if shards == 1 else list(pool.map(advance, carries))
             carries = [c for c, _ in out]
@@ -528,7 +536,7 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
           vmap_runs: int | None = None, threads: int | None = None, progress: bool = True,
           preemption_costs=None, memory=None, slo_ttft: float | None = None,
           slo_tpot: float | None = None, per_request: bool = False, stats: dict | None = None,
-          **axes) -> list[dict]:
+          vmap_skips: bool | None = None, **axes) -> list[dict]:
     """Replay `trace` under every combination of the given limit lists; one row per run.
 
     Memory axes, vLLM's knobs: `gpu_memory_utilization` and `swap_space` (GiB), each a list
@@ -557,6 +565,9 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
     seconds per step), rows also give seconds: the summed per-step costs. `vmap_runs`
     is how many runs one jax.vmap steps together (default: all on an accelerator, 1 on CPU,
     where looping over runs inside the compiled call is faster; see `sweep_chunk`).
+    `vmap_skips`: whether a vmapped batch skips the work no run of it needs (a `lax.cond`
+    per skip, decided once for the batch) or computes every branch and masks it
+    (`core.batching`); default by measurement per backend (`default_vmap_skips`).
     `threads` splits the runs into that many shards stepped in parallel on host threads
     (default: one per CPU core on the CPU backend, else 1); results do not depend on it.
 
@@ -586,7 +597,7 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
         return _sweep_caching(trace, axes.pop(CACHING_FIELD), stats, axes,
                               dict(capacity=capacity, step_time_model=step_time_model,
                                    vmap_runs=vmap_runs, threads=threads, progress=progress,
-                                   preemption_costs=preemption_costs, memory=memory,
+                                   vmap_skips=vmap_skips, preemption_costs=preemption_costs, memory=memory,
                                    slo_ttft=slo_ttft, slo_tpot=slo_tpot, per_request=per_request))
     static = {f: _static_value(f, axes.pop(f)) for f in list(axes) if f in STATIC_FIELDS}
     if preemption_costs is not None:
@@ -606,11 +617,16 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
         threads = default_threads()
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
         raise SweepError(f"sweep: threads must be a positive integer, got {threads!r}")
+    if vmap_skips is None:
+        vmap_skips = default_vmap_skips()
+    if not isinstance(vmap_skips, (bool, np.bool_)):
+        raise SweepError(f"sweep: vmap_skips must be True or False, got {vmap_skips!r}")
     info = {"compile_s": 0.0, "trace_s": 0.0, "lower_s": 0.0, "xla_s": 0.0, "compiles": 0, "runs": len(configs),
-            "path": "vmap" if vmap_runs > 1 else "map"}
+            "path": "vmap" if vmap_runs > 1 else "map", "vmap_skips": bool(vmap_skips)}
     t0 = time.perf_counter()
     try:
-        out = _sweep_replay(parsed, configs, cap, capacity, vmap_runs, progress, threads, info)
+        out = _sweep_replay(parsed, configs, cap, capacity, vmap_runs, progress, threads, info,
+                            bool(vmap_skips))
     finally:                    # also when runs did not drain (a benchmark times a few chunks)
         if stats is not None:
             wall = time.perf_counter() - t0
@@ -643,9 +659,9 @@ def _sweep_caching(trace: dict, spec, stats: dict | None, axes: dict, kwargs: di
     return rows
 
 
-def _sweep_replay(parsed, configs, cap, capacity, vmap_runs, progress, threads, info):
+def _sweep_replay(parsed, configs, cap, capacity, vmap_runs, progress, threads, info, skips=True):
     """`_replay`, restarted with twice the slots while some run has more requests alive."""
-    while (out := _replay(parsed, configs, cap, vmap_runs, progress, threads, stats=info)) is None:
+    while (out := _replay(parsed, configs, cap, vmap_runs, progress, threads, stats=info, skips=skips)) is None:
         if capacity and "num_slots" in capacity:
             raise SweepError(f"sweep: some run has more than num_slots={cap['num_slots']} requests "
                              f"alive at once; raise the capacity's num_slots")
