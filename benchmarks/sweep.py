@@ -46,8 +46,8 @@ import sys
 import tempfile
 import time
 
-from jaxsched.entrypoints.xla_flags import use_xla_flags  # noqa: E402
-use_xla_flags()
+from jaxsched.entrypoints.xla_flags import SWEEP_GPU_FLAGS, use_xla_flags  # noqa: E402
+use_xla_flags(*SWEEP_GPU_FLAGS)      # as `jaxsched sweep`
 
 import jax  # noqa: E402
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 
@@ -328,3 +329,23 @@ def test_xla_flags__a_users_xla_flags_win_and_the_defaults_are_set_otherwise(mon
     assert use_xla_flags("--extra") == "--xla_dump_to=somewhere"
     monkeypatch.delenv("XLA_FLAGS")
     assert use_xla_flags("--extra").split() == [*CPU_FLAGS, "--extra"]
+
+
+def test_xla_flags__ours_extend_for_the_sweep_and_never_replace_the_users(monkeypatch, tmp_path, capsys):
+    """`jaxsched sweep` adds the GPU command-buffer flags to the CLI's default XLA_FLAGS (a
+    GPU-only option: the CPU backend starts with it); a user's XLA_FLAGS are kept as given."""
+    from jaxsched.entrypoints import cli, xla_flags
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    assert xla_flags.use_xla_flags() == " ".join(xla_flags.CPU_FLAGS)
+    trace = tmp_path / "t.json"
+    trace.write_text(json.dumps(_trace()))
+    assert cli.main(["sweep", str(trace), "--num-device-blocks", "64:128", "--no-progress"]) == 2
+    assert os.environ["XLA_FLAGS"] == " ".join(xla_flags.CPU_FLAGS + xla_flags.SWEEP_GPU_FLAGS)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=somewhere")
+    assert cli.main(["sweep", str(trace), "--num-device-blocks", "64:128", "--no-progress"]) == 2
+    assert os.environ["XLA_FLAGS"] == "--xla_dump_to=somewhere"
+    capsys.readouterr()
+    env = dict(os.environ, XLA_FLAGS=" ".join(xla_flags.CPU_FLAGS + xla_flags.SWEEP_GPU_FLAGS))
+    done = subprocess.run([sys.executable, "-c", "import jax.numpy as j; print(int(j.ones(3).sum()))"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "3", done.stderr[-2000:]

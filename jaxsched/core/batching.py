@@ -15,9 +15,10 @@ select is needed at all: the tests compare every run with the unbatched replay.
 
 With `runs_axis(name, skips=False)` nothing is skipped: every helper computes its work
 for every run and masks it (`cond` and `switch` trace no conditional at all). A large batch
-needs almost every branch in almost every step anyway, and on an accelerator each
-conditional costs a copy of its predicate to the host and a stall of the device, while the
-straight-line step launches back to back (benchmarks/results/sweep_gpu.md measures both).
+needs almost every branch in almost every step anyway, and on a GPU each conditional costs
+a copy of its predicate to the host; but the branches no run needed cost more than that:
+on an H200 the straight-line step is slower at every grid size, 0.94x at 1024 runs and
+0.25x at 16 (benchmarks/results/sweep_gpu.md), so skips are the default everywhere.
 
 Outside `runs_axis` (the engine, `simulate`, a `lax.map` over runs) every helper is the
 plain `lax.cond` / `lax.switch`.

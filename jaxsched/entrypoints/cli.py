@@ -15,7 +15,7 @@ import time
 from importlib import resources
 from pathlib import Path
 
-from jaxsched.entrypoints.xla_flags import use_xla_flags
+from jaxsched.entrypoints.xla_flags import SWEEP_GPU_FLAGS, use_xla_flags
 
 DEFAULT_TRACE = "swap-pressure.json"
 use_xla_flags()
@@ -328,6 +328,8 @@ def _log_to_stderr() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "sweep":         # before the backend starts (a sweep's first computation)
+        use_xla_flags(*SWEEP_GPU_FLAGS)
     _log_to_stderr()
     return args.func(args)
 
