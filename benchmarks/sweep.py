@@ -2,7 +2,7 @@
 
     python benchmarks/sweep.py [--sizes 16,64,256,1024] [--paths map,vmap] [--sample 8]
                                [--simulate-sample 8] [--vmap-chunks 4] [--full-vmap-up-to 256]
-                               [--results DIR]
+                               [--results DIR] [--name NAME]
 
 One synthetic 500-request trace (Poisson arrivals at 0.5 requests per step, log-normal
 prompts of ~60 and outputs of ~25 tokens, 20% of requests with n in 2..4), swept over
@@ -246,6 +246,8 @@ def main() -> None:
     ap.add_argument("--simulate-sample", type=int, default=None,
                     help="simulate runs timed per size (default: --sample; 0 leaves simulate out)")
     ap.add_argument("--results", default=str(RESULTS), help="directory for the tables and plots")
+    ap.add_argument("--name", default=None,
+                    help="file name of the results (default: sweep on the CPU, sweep_BACKEND elsewhere)")
     ap.add_argument("--vmap-chunks", type=int, default=4, help="chunks timed where vmap is extrapolated")
     ap.add_argument("--full-vmap-up-to", type=int, default=256,
                     help="largest grid whose vmapped sweep runs to the end")
@@ -307,7 +309,7 @@ def main() -> None:
                   markdown_table(rows64, list(rows64[0])), ""]
     results = pathlib.Path(args.results)
     results.mkdir(parents=True, exist_ok=True)
-    name = "sweep" if env["backend"] == "cpu" else f"sweep_{env['backend']}"
+    name = args.name or ("sweep" if env["backend"] == "cpu" else f"sweep_{env['backend']}")
     (results / f"{name}.md").write_text("\n".join(lines))
     trace_params = {k: dataclasses.asdict(v) if isinstance(v, LogNormal) else v for k, v in TRACE.items()}
     (results / f"{name}.json").write_text(json.dumps(

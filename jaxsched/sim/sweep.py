@@ -395,9 +395,10 @@ def default_threads() -> int:
 def default_vmap_skips() -> bool:
     """Whether a vmapped sweep skips the work no run of its batch needs, by default: yes on
     every backend measured. On the CPU a step costs the work of the branches it runs (no
-    skips: 7x the cost at 16 runs); on an H200, where each conditional also copies its
-    predicate to the host, the branches no run needed still cost more (no skips: 0.94x at
-    1024 runs, 0.25x at 16; benchmarks/results/sweep_gpu.md)."""
+    skips: 6.8x the cost at 16 runs, 8.0x at 64; benchmarks/results/sweep_skips_cpu.md); on
+    an H200, where each conditional also copies its predicate to the host, the branches no
+    run needed still cost more (no skips: 0.94x as fast at 1024 runs, 0.25x at 16;
+    benchmarks/results/sweep_gpu.md)."""
     return True
 
 
