@@ -19,9 +19,14 @@ _ours: list[str] = []      # the value use_xla_flags set, so a later call may ex
 
 
 def use_xla_flags(*extra: str) -> str:
-    """Set XLA_FLAGS to CPU_FLAGS and `extra` unless the user has set it (a value this
-    function set is ours to replace); returns its value."""
-    if "XLA_FLAGS" not in os.environ or os.environ["XLA_FLAGS"] in _ours:
-        os.environ["XLA_FLAGS"] = " ".join(CPU_FLAGS + extra)
-        _ours.append(os.environ["XLA_FLAGS"])
+    """Set XLA_FLAGS to CPU_FLAGS and `extra` unless the user has set it; a value this
+    function set before is extended by `extra`. Returns its value."""
+    if "XLA_FLAGS" not in os.environ:
+        flags = list(CPU_FLAGS)
+    elif os.environ["XLA_FLAGS"] in _ours:
+        flags = os.environ["XLA_FLAGS"].split()
+    else:
+        return os.environ["XLA_FLAGS"]
+    os.environ["XLA_FLAGS"] = " ".join(flags + [f for f in extra if f not in flags])
+    _ours.append(os.environ["XLA_FLAGS"])
     return os.environ["XLA_FLAGS"]
