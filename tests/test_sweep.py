@@ -126,6 +126,19 @@ def test_sweep__a_batch_that_skips_nothing_gives_the_same_rows(vmapped):
         sweep(TRACE, **GRID, capacity=CAPACITY, vmap_skips="no", progress=False)
 
 
+def test_cli_sweep__no_vmap_skips_gives_the_same_rows(vmapped, tmp_path, capsys):
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(TRACE))
+    capacity = ",".join(f"{k}={v}" for k, v in CAPACITY.items())
+    assert run_cli(["sweep", str(path), "--num-device-blocks", "8,12,20,32", "--max-num-seqs", "4,8",
+                    "--preemption-mode", "recompute,swap", "--capacity", capacity, "--vmap-runs", "16",
+                    "--threads", "2", "--no-vmap-skips", "--no-progress", "-o", str(tmp_path / "out")]) == 0
+    got = json.loads((tmp_path / "out" / "sweep.json").read_text())
+    assert [{k: r[k] for k in (*GRID, *METRICS)} for r in got] == \
+        [{k: r[k] for k in (*GRID, *METRICS)} for r in vmapped[0]]
+    assert "| preemption_mode | max_num_seqs | num_device_blocks | steps |" in capsys.readouterr().out
+
+
 def test_sweep__auto_with_costs_that_always_favour_swap_equals_swap(vmapped, tmp_path):
     """Mode "auto" sweeps like any mode; its costs are limits (no compile) and come from a file."""
     rows, _ = vmapped

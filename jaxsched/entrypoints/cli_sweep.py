@@ -91,6 +91,9 @@ def register(subparsers) -> None:
     s("--threads", type=int,
       help="host threads, each stepping its own shard of runs (default: one per CPU core on "
            "CPU, 1 on an accelerator)")
+    s("--no-vmap-skips", action="store_true",
+      help="a vmapped batch computes every branch for every run and masks it instead of skipping "
+           "what no run needs (no conditionals; slower on the CPU and on an H200, see README)")
     s("--gpu-memory-utilization", metavar="SPEC", help="sweep axis in memory units, e.g. 0.5:0.9:0.1: "
       "the device's share that the weights, working memory and KV cache may use (needs --model)")
     s("--swap-space", metavar="SPEC", help="sweep axis, GiB of host swap per device, e.g. 1,4,16 (needs --model)")
@@ -303,6 +306,7 @@ def cmd_sweep(args) -> int:
         enable_compilation_cache(getattr(args, "compilation_cache_dir", None))
         rows = sweep(trace, capacity=capacity, step_time_model=model, vmap_runs=args.vmap_runs,
                      threads=args.threads, progress=not args.no_progress,
+                     vmap_skips=False if args.no_vmap_skips else None,
                      preemption_costs=args.preemption_costs, memory=memory,
                      slo_ttft=args.slo_ttft, slo_tpot=args.slo_tpot, **axes)
     except (SweepError, TraceError, ValueError) as e:
