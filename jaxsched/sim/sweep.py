@@ -341,8 +341,9 @@ def _executable(args, cap, width, vmap_runs, stats, compiler_options=None, skips
     """The compiled `sweep_chunk` for these shapes (compiled once per process; the time of a
     compile goes to stats['compile_s'], split into trace_s, lower_s and xla_s).
     `compiler_options` are XLA's for this executable (benchmarks/sweep_compile.py)."""
-    return _compiled(sweep_chunk, args, dict(cap=cap, width=width, vmap_runs=vmap_runs, skips=skips),
-                     stats, compiler_options)
+    # One run per group is the lax.map path, whose skips are each run's own: one executable.
+    return _compiled(sweep_chunk, args, dict(cap=cap, width=width, vmap_runs=vmap_runs,
+                                             skips=skips or vmap_runs == 1), stats, compiler_options)
 
 
 def _compiled(fn, args, static: dict, stats, compiler_options=None):
