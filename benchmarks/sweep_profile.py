@@ -1,6 +1,7 @@
 """Where a vmapped sweep chunk's time goes: one profiled chunk, its device ops summed.
 
-    python benchmarks/sweep_profile.py [--configs 1024] [--skip-chunks 8] [--top 40] [--results DIR]
+    python benchmarks/sweep_profile.py [--configs 1024] [--skip-chunks 8] [--top 40] [--no-vmap-skips]
+                                       [--results DIR]
 
 The 500-request trace and grid of `benchmarks/sweep.py` (--configs configurations), all runs
 in one `jax.vmap` on one thread (the accelerator default). The sweep's first --skip-chunks + 1
@@ -9,7 +10,7 @@ so the profile sees a busy middle of the trace, not its empty start. From the pr
 Perfetto trace: each chunk's run on the host, the last chunk's time per step from its
 dispatch to its last op, the time the device was busy (overlaps merged), ops and copies to
 the host per step, and the ops by total time, each with the jax source it came from (the
-innermost stack frame of its HLO instruction). XLA_FLAGS are the caller's. Writes
+innermost stack frame of its HLO instruction). XLA_FLAGS: the caller's, else `jaxsched sweep`'s. Writes
 sweep_profile_BACKEND.{md,json}, the compressed trace and the optimized HLO beside them.
 """
 from __future__ import annotations
@@ -35,14 +36,13 @@ from jaxsched.sim.simulate import CHUNK_STEPS
 from jaxsched.sim.workload import generate_trace
 
 
-def run_chunks(trace, axes, chunks: int) -> float:
-    """Sweep every run for `chunks` chunks (the sweep stops there, unfinished); its seconds."""
+def run_chunks(trace, axes, runs: int, chunks: int, skips: bool) -> float:
+    """Sweep the `runs` of the grid for `chunks` chunks in one vmap (the sweep stops there,
+    unfinished); its seconds."""
     limited = dict(trace, config=dict(trace["config"], max_steps=chunks * CHUNK_STEPS))
-    n = len(sw.make_grid(sw.parse_trace(trace).scheduler_config,
-                         {k: sw.parse_values(k, v) for k, v in axes.items()})[1])
     t0 = time.perf_counter()
     try:
-        sw.sweep(limited, **axes, vmap_runs=n, threads=1, progress=False)
+        sw.sweep(limited, **axes, vmap_runs=runs, threads=1, progress=False, vmap_skips=skips)
     except RuntimeError:            # runs unfinished after max_steps: expected
         pass
     return time.perf_counter() - t0
@@ -110,17 +110,19 @@ def main() -> None:
     ap.add_argument("--configs", type=int, default=1024)
     ap.add_argument("--skip-chunks", type=int, default=8)
     ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--no-vmap-skips", action="store_true", help="profile the batch that skips nothing")
     ap.add_argument("--results", default=str(RESULTS))
     args = ap.parse_args()
     results = pathlib.Path(args.results)
     results.mkdir(parents=True, exist_ok=True)
     backend = jax.default_backend()
     trace, axes = generate_trace(**TRACE), grid(args.configs)
-    run_chunks(trace, axes, args.skip_chunks)                     # compiles
-    plain = run_chunks(trace, axes, args.skip_chunks + 1)
+    skips = not args.no_vmap_skips
+    run_chunks(trace, axes, args.configs, args.skip_chunks, skips)                  # compiles
+    plain = run_chunks(trace, axes, args.configs, args.skip_chunks + 1, skips)
     with tempfile.TemporaryDirectory() as tmp:
         jax.profiler.start_trace(tmp, create_perfetto_trace=True)
-        profiled = run_chunks(trace, axes, args.skip_chunks + 1)
+        profiled = run_chunks(trace, axes, args.configs, args.skip_chunks + 1, skips)
         jax.profiler.stop_trace()
         found = sorted(pathlib.Path(tmp).rglob("perfetto_trace.json.gz"))
         if not found:
@@ -165,7 +167,7 @@ def main() -> None:
                  for k, v in sorted(by_source.items(), key=lambda kv: -kv[1])]
     summary = dict(backend=backend, device=jax.devices()[0].device_kind, jax=jax.__version__,
                    xla_flags=os.environ.get("XLA_FLAGS", ""), configs=args.configs,
-                   chunks=args.skip_chunks + 1, wall_s_plain=plain, wall_s_profiled=profiled,
+                   vmap_skips=skips, chunks=args.skip_chunks + 1, wall_s_plain=plain, wall_s_profiled=profiled,
                    chunk_host_ms=[round(e["dur"] / 1e3, 2) for e in chunk_runs],
                    window_us_per_step=(finish - begin) / steps, op_us_per_step=total / steps,
                    busy_us_per_step=busy_us(events) / steps, ops_per_step=len(events) / steps,
@@ -173,7 +175,8 @@ def main() -> None:
     lines = [f"# A vmapped sweep chunk profiled: {args.configs} configurations, steps "
              f"{args.skip_chunks * CHUNK_STEPS}..{(args.skip_chunks + 1) * CHUNK_STEPS - 1} "
              f"({backend}: {summary['device']}, jax {summary['jax']}, XLA_FLAGS={summary['xla_flags']!r})", "",
-             f"`python benchmarks/sweep_profile.py --configs {args.configs} --skip-chunks {args.skip_chunks}`: "
+             f"`python benchmarks/sweep_profile.py --configs {args.configs} --skip-chunks {args.skip_chunks}"
+             f"{'' if skips else ' --no-vmap-skips'}`: "
              f"the sweep's first {args.skip_chunks + 1} chunks under the profiler (compiled before: "
              f"{plain:.2f} s without the profiler, {profiled:.2f} s with); ops summed over the last chunk. "
              f"Per step: {summary['window_us_per_step']:.0f} us from its dispatch to its last op, "
