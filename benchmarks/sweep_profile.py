@@ -85,7 +85,8 @@ def hlo_sources(hlo_text: str) -> dict[str, str]:
     locs = {k: f"{files.get(field(v, 'file_name_id'), '?')}:{field(v, 'line')} "
                f"{funcs.get(field(v, 'function_name_id'), '?')}"
             for k, v in _table(hlo_text, "FileLocations").items()}
-    frames = {k: locs.get(field(v, "file_location_id"), "?") for k, v in _table(hlo_text, "StackFrames").items()}
+    frames = {k: locs.get(field(v, "file_location_id"), "?")
+              for k, v in _table(hlo_text, "StackFrames").items()}
     out = {}
     for m in re.finditer(r"^\s*(?:ROOT )?%?([\w.\-]+) = [^\n]*?metadata=\{([^}\n]*)\}", hlo_text, re.M):
         meta = m.group(2)
@@ -126,7 +127,7 @@ def main() -> None:
         jax.profiler.stop_trace()
         found = sorted(pathlib.Path(tmp).rglob("perfetto_trace.json.gz"))
         if not found:
-            raise SystemExit(f"no perfetto_trace.json.gz under the profile: {list(pathlib.Path(tmp).rglob('*'))}")
+            raise SystemExit(f"no perfetto_trace.json.gz in the profile: {list(pathlib.Path(tmp).rglob('*'))}")
         data = json.loads(gzip.open(found[0]).read())
     hlo = "\n".join(exe.as_text() for key, exe in sw._EXECUTABLES.items() if key[0] is sw.sweep_chunk)
     with gzip.open(results / f"sweep_profile_{backend}.hlo.txt.gz", "wt") as f:
@@ -186,7 +187,8 @@ def main() -> None:
              markdown_table(table[:args.top], list(table[0])), "",
              "## By source line", "", markdown_table(lines_src[:args.top], list(lines_src[0])), ""]
     (results / f"sweep_profile_{backend}.md").write_text("\n".join(lines))
-    (results / f"sweep_profile_{backend}.json").write_text(json.dumps(dict(summary=summary, ops=table[:400], sources=lines_src), indent=1))
+    (results / f"sweep_profile_{backend}.json").write_text(
+        json.dumps(dict(summary=summary, ops=table[:400], sources=lines_src), indent=1))
     print("\n".join(lines))
 
 
