@@ -59,16 +59,9 @@ def test_no_skips__traces_no_conditional(skips):
     """With skips, a skip stays a cond on the batch's `any` (a pmax over the runs); without,
     the step is straight-line code."""
     args = (jnp.zeros(4, bool), jnp.zeros(4, jnp.int32), jnp.zeros((4, 5), jnp.int32))
-    jaxpr = jax.make_jaxpr(lambda *a: jax.vmap(
-        lambda p, i, v: _run(p, i, v, skips), axis_name="runs")(*a))(*args).jaxpr
-    prims = _primitives(jaxpr)
+    prims = _primitives(jax.make_jaxpr(_batched(skips, same=False))(*args).jaxpr)
     assert ("cond" in prims) == skips
     assert ("pmax" in prims or "reduce_max" in prims) == skips
-
-
-def _run(pred, index, x, skips):
-    with batching.runs_axis("runs", skips):
-        return _step(pred, index, x, same=False)
 
 
 def test_outside_a_batch__plain_conditionals():
