@@ -10,8 +10,10 @@ so the profile sees a busy middle of the trace, not its empty start. From the pr
 Perfetto trace: each chunk's run on the host, the last chunk's time per step from its
 dispatch to its last op, the time the device was busy (overlaps merged), ops and copies to
 the host per step, and the ops by total time, each with the jax source it came from (the
-innermost stack frame of its HLO instruction). XLA_FLAGS: the caller's, else `jaxsched sweep`'s. Writes
-sweep_profile_BACKEND.{md,json}, the compressed trace and the optimized HLO beside them.
+innermost stack frame of its HLO instruction). An op's time is its own: on XLA:CPU a
+conditional's thunk spans the ops of its branch, which are counted apart. XLA_FLAGS: the
+caller's, else `jaxsched sweep`'s. Writes sweep_profile_BACKEND.{md,json}, the compressed
+trace and the optimized HLO beside them.
 """
 from __future__ import annotations
 
@@ -101,6 +103,25 @@ def hlo_sources(hlo_text: str) -> dict[str, str]:
     return out
 
 
+def self_us(events) -> list[float]:
+    """Each event's own microseconds: its length less that of the events nested in it on
+    its thread (on XLA:CPU a conditional's thunk spans its branch's ops)."""
+    out = [float(e["dur"]) for e in events]
+    tracks = defaultdict(list)
+    for i, e in enumerate(events):
+        tracks[(e["pid"], e["tid"])].append(i)
+    for ids in tracks.values():
+        ids.sort(key=lambda i: (events[i]["ts"], -events[i]["dur"]))
+        open_ = []
+        for i in ids:
+            while open_ and events[open_[-1]]["ts"] + events[open_[-1]]["dur"] <= events[i]["ts"]:
+                open_.pop()
+            if open_:
+                out[open_[-1]] -= events[i]["dur"]
+            open_.append(i)
+    return out
+
+
 def op_name(event) -> str:
     """The HLO instruction an op event ran (its hlo_op argument, else the event's name)."""
     return event.get("args", {}).get("hlo_op") or event["name"]
@@ -152,9 +173,9 @@ def main() -> None:
     with gzip.open(results / f"sweep_profile_{backend}.trace.json.gz", "wt") as f:
         json.dump(dict(data, traceEvents=kept), f)
     by_op = defaultdict(lambda: [0.0, 0])
-    for e in events:
+    for e, own in zip(events, self_us(events)):
         row = by_op[op_name(e)]
-        row[0] += e["dur"]
+        row[0] += own
         row[1] += 1
     total = sum(r[0] for r in by_op.values())
     steps = CHUNK_STEPS
