@@ -57,8 +57,9 @@ def replay_step(state, batch: RequestBatch, now, cap: Capacity, record, check: b
     return state, kept, flags
 
 
-def _slot_record(state, out, slots):
-    """simulate's record of a step: int32[NUM_ROWS, G] per slot, and the free block counts."""
+def _slot_record(state, out, slots, valid):
+    """simulate's record of a step: int32[NUM_ROWS, G] per slot, the free block counts, and
+    whether a request arriving (`valid`) found no free slot (`slots` out of range)."""
     finished = state.status == FINISHED
     outputs = jnp.max(jnp.where(jnp.arange(state.num_tokens.shape[1]) < state.n[:, None],
                                 state.num_tokens - state.prompt_len[:, None], 0), axis=1)
@@ -66,13 +67,15 @@ def _slot_record(state, out, slots):
             out.swapped_in, finished, state.finish_reason, outputs, state.num_preemptions,
             state.ignore_reason, out.preempt_order]
     record = jnp.stack([r.astype(jnp.int32) for r in rows])
-    return record, jnp.stack([out.num_free_device_blocks, out.num_free_host_blocks])
+    overflow = (valid & (slots >= state.status.shape[0])).any()
+    return record, jnp.stack([out.num_free_device_blocks, out.num_free_host_blocks]), overflow
 
 
 def sim_step(state, batch: RequestBatch, now, cap: Capacity, check: bool = False):
-    """`replay_step` with simulate's per-slot record: (state, (record, free, flags))."""
-    state, (record, free), flags = replay_step(state, batch, now, cap, _slot_record, check)
-    return state, (record, free, flags)
+    """`replay_step` with simulate's per-slot record: (state, (record, free, flags, overflow))."""
+    record_of = lambda st, out, slots: _slot_record(st, out, slots, batch.valid)   # noqa: E731
+    state, (record, free, overflow), flags = replay_step(state, batch, now, cap, record_of, check)
+    return state, (record, free, flags, overflow)
 
 
 @functools.partial(jax.jit, static_argnames=("cap", "check"), donate_argnums=(0,))
@@ -95,7 +98,7 @@ def _drained_record(state):
     """sim_step's outputs, all zero, for a skipped step."""
     g = state.status.shape[0]
     return (jnp.zeros((NUM_ROWS, g), jnp.int32), jnp.zeros((2,), jnp.int32),
-            jnp.zeros((len(CHECKS),), bool))
+            jnp.zeros((len(CHECKS),), bool), jnp.asarray(False))
 
 
 def _capacity_for(trace: Trace, overrides: dict | None) -> SchedulerConfig:
@@ -104,6 +107,20 @@ def _capacity_for(trace: Trace, overrides: dict | None) -> SchedulerConfig:
     cfg = trace.scheduler_config
     fields = replay_capacity(trace, [cfg], restarts=False) | (overrides or {})
     return dataclasses.replace(cfg, **fields)
+
+
+# A replay's slots hold every request alive at once: as many as the trace has requests, up
+# to this many. A longer trace starts here and restarts with twice as many slots whenever
+# more requests are alive (one more compile each time): every slot costs each step, and a
+# long trace rarely has more than a few hundred requests alive. The trace of
+# benchmarks/sweep.py at 4000 requests: 29.1 s at 4096 slots, 11.6 s at 1024 (18.8 and 5.7 s
+# of it the run: benchmarks/results/simulate_slots.md). Up to 1024 requests nothing changes: there a
+# restart's compile would cost more than the slots it saves.
+START_SLOTS = 1024
+
+
+class SlotsExceeded(RuntimeError):
+    """More requests alive at once than the capacity's num_slots, which the caller fixed."""
 
 
 def simulate(config: dict | SchedulerConfig, requests: list[dict], *, step_time: float = 1.0,
@@ -115,22 +132,37 @@ def simulate(config: dict | SchedulerConfig, requests: list[dict], *, step_time:
     SchedulerConfig. `capacity` overrides static sizes (num_slots, max_seqs_per_group,
     max_blocks_per_seq, ...) and `arrival_width` the rows of arrivals a step takes (default:
     the trace's largest burst rounded up to a power of two, at least 8), so that many traces
-    share one compiled step. With `check_invariants`, every step is checked on device and the
-    first violation raises.
+    share one compiled step. Without a num_slots there, a trace of more than START_SLOTS
+    requests starts with that many slots and restarts with twice as many while more requests
+    are alive at once; with one, that raises SlotsExceeded. With `check_invariants`, every
+    step is checked on device and the first violation raises.
     """
     trace = parse_trace({"config": config, "requests": requests}, step_time=step_time,
                         max_steps=max_steps)
     cfg = _capacity_for(trace, capacity)
-    cap = cfg.capacity()
+    fixed = capacity is not None and "num_slots" in capacity
+    if not fixed:
+        cfg = dataclasses.replace(cfg, num_slots=min(cfg.num_slots, START_SLOTS))
     arrivals = trace.arrivals_by_step()
-    last_arrival = max(arrivals, default=-1)
     burst = max((len(v) for v in arrivals.values()), default=1)
     if arrival_width is None:
         arrival_width = 1 << math.ceil(math.log2(max(8, burst)))
     elif arrival_width < burst:
         raise ValueError(f"simulate: arrival_width={arrival_width} is below the trace's {burst} "
                          f"arrivals at one step")
-    width = arrival_width
+    while True:
+        try:
+            return _replay(trace, cfg, arrivals, arrival_width, check_invariants)
+        except SlotsExceeded:
+            if fixed:
+                raise
+            cfg = dataclasses.replace(cfg, num_slots=2 * cfg.num_slots)
+
+
+def _replay(trace: Trace, cfg: SchedulerConfig, arrivals, width: int, check_invariants: bool) -> dict:
+    """`simulate` at the capacity of `cfg`; SlotsExceeded when a request found no free slot."""
+    cap = cfg.capacity()
+    last_arrival = max(arrivals, default=-1)
     # Committed like the scan's outputs, so the second chunk reuses the first one's executable.
     state = jax.device_put(init_state(cfg), jax.devices()[0])
     records, frees = [], []
@@ -143,8 +175,13 @@ def simulate(config: dict | SchedulerConfig, requests: list[dict], *, step_time:
         k = min(CHUNK_STEPS, trace.max_steps - step)
         batches, times = _chunk_inputs(trace, arrivals, step, k, width, cap)
         left = jnp.asarray(np.arange(step, step + k) <= last_arrival)
-        state, (rec, free, flags) = run_chunk(state, batches, times, left, cap=cap, check=check_invariants)
-        rec, free, flags = np.asarray(rec), np.asarray(free), np.asarray(flags)
+        state, (rec, free, flags, overflow) = run_chunk(state, batches, times, left, cap=cap,
+                                                        check=check_invariants)
+        rec, free, flags, overflow = np.asarray(rec), np.asarray(free), np.asarray(flags), np.asarray(overflow)
+        if overflow.any():
+            raise SlotsExceeded(f"simulate: more than num_slots={cap.num_slots} requests alive at "
+                                f"step {step + int(np.argmax(overflow))}; raise the capacity's "
+                                f"num_slots, or leave it out to let simulate size it")
         if flags.any():
             bad = int(np.nonzero(flags.any(1))[0][0])
             raise InvariantError(f"step {step + bad}: {describe(flags[bad])}")
