@@ -46,10 +46,10 @@ def replay_capacity(trace: Trace, configs: Sequence[SchedulerConfig], *, restart
     """The capacity to replay `trace` under each of `configs`.
 
     Every request may be alive at once, so a power of two of slots at least the number of
-    requests holds any replay (`simulate`). A caller that restarts with twice the slots when
-    more requests are alive than it has (`sweep`, `restarts=True`) starts from a guess
-    instead: a large trace rarely has more than a few times max_num_seqs alive, and every
-    slot costs each step.
+    requests holds any replay (`simulate` starts there, up to its START_SLOTS). A caller
+    that restarts with twice the slots when more requests are alive than it has (`sweep`,
+    `restarts=True`) starts from a guess instead: a large trace rarely has more than a few
+    times max_num_seqs alive, and every slot costs each step.
     """
     cap = needed_capacity(trace, configs)
     cap["max_seqs_per_group"] = pow2(cap["max_seqs_per_group"])
