@@ -113,9 +113,9 @@ def _capacity_for(trace: Trace, overrides: dict | None) -> SchedulerConfig:
 # to this many. A longer trace starts here and restarts with twice as many slots whenever
 # more requests are alive (one more compile each time): every slot costs each step, and a
 # long trace rarely has more than a few hundred requests alive. The trace of
-# benchmarks/sweep.py at 4000 requests: 29.1 s at 4096 slots, 11.6 s at 1024 (18.8 and 5.7 s
-# of it the run: benchmarks/results/simulate_slots.md). Up to 1024 requests nothing changes: there a
-# restart's compile would cost more than the slots it saves.
+# benchmarks/sweep.py at 4000 requests: 29.1 s at 4096 slots, 11.6 s at 1024 (18.8 and
+# 5.7 s of it the run: benchmarks/results/simulate_slots.md). Up to 1024 requests nothing
+# changes: there a restart's compile would cost more than the slots it saves.
 START_SLOTS = 1024
 
 
@@ -177,7 +177,7 @@ def _replay(trace: Trace, cfg: SchedulerConfig, arrivals, width: int, check_inva
         left = jnp.asarray(np.arange(step, step + k) <= last_arrival)
         state, (rec, free, flags, overflow) = run_chunk(state, batches, times, left, cap=cap,
                                                         check=check_invariants)
-        rec, free, flags, overflow = np.asarray(rec), np.asarray(free), np.asarray(flags), np.asarray(overflow)
+        rec, free, flags, overflow = (np.asarray(x) for x in (rec, free, flags, overflow))
         if overflow.any():
             raise SlotsExceeded(f"simulate: more than num_slots={cap.num_slots} requests alive at "
                                 f"step {step + int(np.argmax(overflow))}; raise the capacity's "
