@@ -38,9 +38,11 @@ def replay_step(state, batch: RequestBatch, now, cap: Capacity, record, check: b
     """The one model-free replay step, shared by `simulate` and `sweep`.
 
     add_requests, schedule, update (one token per running sequence, never EOS), then
-    `record(state, out, slots)` reads what the caller keeps of the step while finished groups
-    are still in their slots, and free_finished empties them. With `check`, the invariants
-    are evaluated after `schedule` and after `update`. Returns (state, record, flags).
+    `record(state, out, overflow)` reads what the caller keeps of the step while finished
+    groups are still in their slots, and free_finished empties them. `overflow` says a
+    request arriving found no free slot (dropped: the replay needs more slots). With
+    `check`, the invariants are evaluated after `schedule` and after `update`. Returns
+    (state, record, flags).
     """
     # Traced for a batch of runs (`batching.runs_axis`, a sweep), the transitions are traced
     # inline, so that their skips are decided once for the batch.
@@ -52,14 +54,14 @@ def replay_step(state, batch: RequestBatch, now, cap: Capacity, record, check: b
                                                       out.is_prefill)
     if check:
         flags = flags | invariant_violations(state)
-    kept = record(state, out, slots)
+    kept = record(state, out, (batch.valid & (slots >= state.status.shape[-1])).any())
     state, _ = (free_finished_impl if inline else free_finished)(state)
     return state, kept, flags
 
 
-def _slot_record(state, out, slots, valid):
+def _slot_record(state, out, overflow):
     """simulate's record of a step: int32[NUM_ROWS, G] per slot, the free block counts, and
-    whether a request arriving (`valid`) found no free slot (`slots` out of range)."""
+    `overflow` (`replay_step`)."""
     finished = state.status == FINISHED
     outputs = jnp.max(jnp.where(jnp.arange(state.num_tokens.shape[1]) < state.n[:, None],
                                 state.num_tokens - state.prompt_len[:, None], 0), axis=1)
@@ -67,14 +69,12 @@ def _slot_record(state, out, slots, valid):
             out.swapped_in, finished, state.finish_reason, outputs, state.num_preemptions,
             state.ignore_reason, out.preempt_order]
     record = jnp.stack([r.astype(jnp.int32) for r in rows])
-    overflow = (valid & (slots >= state.status.shape[0])).any()
     return record, jnp.stack([out.num_free_device_blocks, out.num_free_host_blocks]), overflow
 
 
 def sim_step(state, batch: RequestBatch, now, cap: Capacity, check: bool = False):
     """`replay_step` with simulate's per-slot record: (state, (record, free, flags, overflow))."""
-    record_of = lambda st, out, slots: _slot_record(st, out, slots, batch.valid)   # noqa: E731
-    state, (record, free, overflow), flags = replay_step(state, batch, now, cap, record_of, check)
+    state, (record, free, overflow), flags = replay_step(state, batch, now, cap, _slot_record, check)
     return state, (record, free, flags, overflow)
 
 

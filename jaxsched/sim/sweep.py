@@ -265,7 +265,7 @@ def _run_record(state, out, overflow):
         out.num_free_device_blocks, out.num_free_host_blocks,
         jnp.where(out.is_prefill, out.num_scheduled_tokens, 0).sum(dtype=jnp.int32),
         jnp.where(out.scheduled & ~out.is_prefill, out.num_seqs, 0).sum(dtype=jnp.int32),
-        overflow.any()]).astype(jnp.int32)
+        overflow]).astype(jnp.int32)
     # Output tokens so far of each group's longest sequence: its first token is when this
     # turns positive, its count at the finish is what TPOT divides by.
     output_len = jnp.where(state.status != EMPTY, state.num_tokens.max(-1) - state.prompt_len, 0)
@@ -278,9 +278,8 @@ def _step(carry, x, cols, arrival_time, tokens, cap, width):
     state, per_request = carry
     t, now = x
     batch = _batch_at(cols, arrival_time, tokens, t, width)
-    # A request that found no free slot (slot index out of range) voids the run: more slots.
-    record_of = lambda st, out, slots: _run_record(st, out, batch.valid & (slots >= st.status.shape[-1]))
-    state, (record, finished, index, reason, output_len), _ = replay_step(state, batch, now, cap, record_of)
+    # A request that found no free slot (`overflow` in the record) voids the run: more slots.
+    state, (record, finished, index, reason, output_len), _ = replay_step(state, batch, now, cap, _run_record)
     n = cols.shape[1]
     at = jnp.where(finished, index, n)
     per_request = per_request.at[0, at].set(t, mode="drop")
