@@ -211,9 +211,14 @@ class Queues(NamedTuple):
 def order_is_cached(state: SchedulerState):
     """(cached order, is it still sorted?) The order the previous step stored in the state
     is the queue order unless statuses, arrivals or keys changed it since (see `queues`)."""
-    g = state.status.shape[0]
-    cached = jnp.clip(state.walk_order, 0, g - 1)
-    return cached, _ascending(state, cached).all()
+    cached, ascending = _cached_order(state)
+    return cached, ascending.all()
+
+
+def _cached_order(state: SchedulerState):
+    """(the order the state caches, `_ascending` of it)."""
+    cached = jnp.clip(state.walk_order, 0, state.status.shape[0] - 1)
+    return cached, _ascending(state, cached)
 
 
 def _ascending(state: SchedulerState, order) -> jax.Array:
@@ -345,8 +350,7 @@ def queues(state: SchedulerState, counts: jax.Array, cached=None) -> Queues:
     g = state.status.shape[-1]
     idx = jnp.arange(g, dtype=jnp.int32)
     if cached is None:
-        cached = jnp.clip(state.walk_order, 0, g - 1)
-        ascending = _ascending(state, cached)
+        cached, ascending = _cached_order(state)
         sort = lambda: _sorted_slots(_sort_keys(state, idx))          # noqa: E731
         if g >= REPAIR_FROM_SLOTS and batching.current_axis() is None:
             stale = lambda: _repair_or_sort(state, cached, ascending, counts, sort)   # noqa: E731
