@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from jax import lax
 
-from jaxsched.core.walks import (RANK_BY_COMPARISON_UP_TO, REPAIR_FROM_SLOTS, REPAIR_UP_TO, RunningInputs,
-                                  _lex_less, _out_of_place, _repaired, _sorted_slots, running_walk,
-                                  running_walk_loop)
+from jaxsched.core.walks import (BIG, RANK_BY_COMPARISON_UP_TO, REPAIR_FROM_SLOTS, REPAIR_UP_TO,
+                                  RunningInputs, _lex_less, _out_of_place, _repaired, _sorted_slots,
+                                  prefix_walk, running_walk, running_walk_loop)
 from jaxsched.sim.reference import simulate_reference
 from jaxsched.sim.simulate import simulate
 from jaxsched.sim.workload import LogNormal, generate_trace
@@ -61,6 +61,55 @@ def test_running_walk__closed_form_equals_the_loop():
     assert bool((fails_alone & head & goes_on).any()), "B5: a lone prefill by recompute goes on"
     assert bool((fails_alone & ~head & everyone_out).any()), "B5: by swap it is preempted"
     assert not bool((fails_alone & head & everyone_out).any())
+
+
+def test_running_walk__block_slack_is_the_margin_of_its_append_checks():
+    """With `block_slack` fewer free blocks the walk is the same; with one more fewer a check
+    fails. A negative slack is a failed check: a preemption, or B5's lone prefill going on."""
+    inp, m, free, budget, head = random_walks(np.random.default_rng(2), 4000)
+    walk = jax.jit(jax.vmap(lambda i, m, f, b, h: running_walk(i, m, f, b, head_recomputes=h)))
+    base = walk(inp, m, free, budget, head)
+    slack = np.asarray(base.block_slack)
+    tracked = (slack >= 0) & (slack < BIG)
+    assert tracked.sum() > 500 and (slack < 0).sum() > 500
+    less = lambda extra: walk(inp, m, free - np.where(tracked, slack + extra, 0), budget, head)  # noqa: E731
+    same, tight = less(0), less(1)
+    for name in ("served", "preempted"):
+        np.testing.assert_array_equal(np.asarray(getattr(same, name))[tracked],
+                                      np.asarray(getattr(base, name))[tracked], err_msg=name)
+    assert (np.asarray(same.block_slack)[tracked] == 0).all()
+    assert (np.asarray(tight.block_slack)[tracked] == -1).all()
+    preempted = np.asarray(base.preempted).any(1)
+    lone = (np.asarray(m) == 1) & np.asarray(base.served)[:, 0] & np.asarray(inp.is_prefill)[:, 0]
+    assert not preempted[slack >= 0].any()
+    assert (preempted | lone)[slack < 0].all()
+    assert np.asarray(tight.preempted).any(1)[tracked & ~np.asarray(inp.is_prefill)[:, 0]].all()
+
+
+def test_prefix_walk__with_its_slack_less_the_walk_is_the_same():
+    """Free blocks or sequences left lowered by the reported slack leave the walk as it was;
+    a negative slack means a block or sequence test failed (the walk stopped early)."""
+    rng = np.random.default_rng(3)
+    cases = 4000
+    ints = lambda lo, hi, shape=(cases, G): jnp.asarray(rng.integers(lo, hi, shape), jnp.int32)  # noqa: E731
+    args = dict(skip=jnp.asarray(rng.random((cases, G)) < 0.1), test_need=ints(1, 6), consume=ints(1, 6),
+                tokens=ints(1, 40), chunkable=jnp.asarray(rng.random((cases, G)) < 0.3), seqs=ints(1, 4),
+                m=ints(0, G + 1, (cases,)), free=ints(0, 40, (cases,)), watermark=ints(0, 3, (cases,)),
+                token_left=ints(20, 200, (cases,)), seq_left=ints(0, 16, (cases,)))
+    walk = jax.jit(jax.vmap(lambda a: prefix_walk(**a)))
+    base = walk(args)
+    for name, arg in (("block_slack", "free"), ("seq_slack", "seq_left")):
+        slack = np.asarray(getattr(base, name))
+        tracked = (slack >= 0) & (slack < BIG)
+        assert tracked.sum() > 500 and (slack < 0).sum() > 200, name
+        less = walk(dict(args, **{arg: args[arg] - np.where(tracked, slack, 0)}))
+        for field in ("served", "skipped", "chunk"):
+            np.testing.assert_array_equal(np.asarray(getattr(less, field))[tracked],
+                                          np.asarray(getattr(base, field))[tracked],
+                                          err_msg=f"{name} {field}")
+        assert (np.asarray(getattr(less, name))[tracked] == 0).all()
+        served = np.asarray(base.served | base.skipped).sum(1)
+        assert (served < np.asarray(args["m"]))[slack < 0].all(), name
 
 
 def test_sorted_slots__comparison_count_equals_the_sort():

@@ -29,7 +29,7 @@ from jaxsched.core.preemption import (choose_modes, free_victims, no_victims, pi
                                  preempted_fields, recompute_tokens)
 from jaxsched.core.state import (FINISHED, IGNORE_NEVER_FITS, IGNORE_PROMPT_TOO_LONG, IGNORED,
                             RUNNING, SWAPPED, WAITING, SchedulerOutput, SchedulerState)
-from jaxsched.core.walks import (PrefixWalk, Queues, RunningInputs, order_is_cached, prefix_walk,
+from jaxsched.core.walks import (BIG, PrefixWalk, Queues, RunningInputs, order_is_cached, prefix_walk,
                             queues, requeue, running_walk, running_walk_loop)
 
 
@@ -65,7 +65,14 @@ def _delay_gate(state: SchedulerState, now, runs, any_wait, any_run, is_wait):
 
 
 def _no_walk(g: int) -> PrefixWalk:
-    return PrefixWalk(jnp.zeros((g,), bool), jnp.zeros((g,), bool), jnp.zeros((g,), jnp.int32))
+    return PrefixWalk(jnp.zeros((g,), bool), jnp.zeros((g,), bool), jnp.zeros((g,), jnp.int32),
+                      jnp.int32(BIG), jnp.int32(BIG))
+
+
+def _with_never(walk: PrefixWalk, never_tested: jax.Array) -> PrefixWalk:
+    """The walk's block slack, negative where it ignored a group as NEVER (that group's
+    block test failed: with more blocks it would have been served or waited)."""
+    return walk._replace(block_slack=jnp.where(never_tested.any(), -1, walk.block_slack))
 
 
 def _admission(state, cap, d, q: Queues, free, token_left, seq_left, walk=None):
@@ -99,9 +106,11 @@ def _admission(state, cap, d, q: Queues, free, token_left, seq_left, walk=None):
     args = (never | too_long, test_need, footprint, total, multi | cap.enable_chunked_prefill,
             t(d.nmax), m, free, lim.watermark_blocks, token_left, seq_left)
     result, extra = (prefix_walk(*args), None) if walk is None else walk(order, *args)
-    served, skipped, chunk, too_long = q.to_slots(0, d.is_wait, *result, too_long)
+    # A prompt too long is ignored before its block test (vLLM's order).
+    result = _with_never(result, result.skipped & never & ~too_long)
+    served, skipped, chunk, too_long = q.to_slots(0, d.is_wait, *result[:3], too_long)
     reason = jnp.where(too_long, IGNORE_PROMPT_TOO_LONG, IGNORE_NEVER_FITS)
-    out = PrefixWalk(served, skipped, chunk), reason
+    out = PrefixWalk(served, skipped, chunk, result.block_slack, result.seq_slack), reason
     return out if walk is None else out + (extra,)
 
 
@@ -117,10 +126,10 @@ def _swapped(state, cap, d, q: Queues, free, token_left, seq_left, walk=None):
     append_h = jnp.where(d.is_swap, d.appends, 0)
     args = (lim.num_device_blocks - test_need < lim.watermark_blocks, test_need, t(d.held + append_h),
             tokens, chunkable, t(d.nmax), m, free, lim.watermark_blocks, token_left, seq_left)
-    if walk is None:
-        return PrefixWalk(*q.to_slots(2, d.is_swap, *prefix_walk(*args)))
-    result, extra = walk(order, *args)
-    return PrefixWalk(*q.to_slots(2, d.is_swap, *result)), extra
+    result, extra = (prefix_walk(*args), None) if walk is None else walk(order, *args)
+    result = _with_never(result, result.skipped)        # every skip here is a NEVER
+    out = PrefixWalk(*q.to_slots(2, d.is_swap, *result[:3]), result.block_slack, result.seq_slack)
+    return out if walk is None else (out, extra)
 
 
 class Running(NamedTuple):
@@ -131,6 +140,7 @@ class Running(NamedTuple):
     charged: jax.Array         # int32[G]
     preempted_w: jax.Array     # bool[G], walk order (for choosing modes)
     count: jax.Array           # artificial failures left
+    block_slack: jax.Array     # int32[] (walks.running_walk)
 
 
 def _running(state, cap, d, q: Queues, free, enabled):
@@ -163,17 +173,17 @@ def _running(state, cap, d, q: Queues, free, enabled):
         else:
             bound = cap.num_slots * cap.max_seqs_per_group * (cap.max_blocks_per_seq + 1)
             walk, cnt = running_walk(inp, m, free, lim.max_num_batched_tokens, bound, head), count
-        return Running(*q.to_slots(1, d.is_run, *walk), walk.preempted, cnt)
+        return Running(*q.to_slots(1, d.is_run, *walk[:5]), walk.preempted, cnt, walk.block_slack)
 
     def everyone():
         zb, zi = jnp.zeros((g,), bool), jnp.zeros((g,), jnp.int32)
         chunk = jnp.where(d.is_run & d.in_prefill, full, jnp.where(d.is_run, 1, 0))
         charged = jnp.where(d.is_run, jnp.where(d.in_prefill, full, d.n_live), 0)
-        return Running(d.is_run, zb, zi, chunk, charged, zb, count)
+        return Running(d.is_run, zb, zi, chunk, charged, zb, count, _everyone_slack(d, free, cap))
 
     def skip():
         zb, zi = jnp.zeros((g,), bool), jnp.zeros((g,), jnp.int32)
-        return Running(zb, zb, zi, zi, zi, zb, count)
+        return Running(zb, zb, zi, zi, zi, zb, count, jnp.int32(BIG))
 
     fits = _everyone_fits(d, lim, free, cap)
     branch = jnp.where(enabled & (q.count[1] > 0), jnp.where(fits, 1, 2), 0)
@@ -206,6 +216,12 @@ def _everyone_fits(d, lim, free, cap: Capacity) -> jax.Array:
     # when budget < 2**31 / G.
     return ((d.run_tokens <= budget) & (budget < (2**31 - 1) // g - 1)
             & (free - d.run_appends >= cap.max_seqs_per_group))
+
+
+def _everyone_slack(d, free, cap: Capacity) -> jax.Array:
+    """A lower bound on the running walk's `block_slack` when every group passes: each
+    check sees at most all appends taken and asks for at most max_seqs_per_group blocks."""
+    return (free - d.run_appends - cap.max_seqs_per_group).astype(jnp.int32)
 
 
 def _sharing(state: SchedulerState, d, cap: Capacity):
@@ -414,7 +430,8 @@ def _steady(state, now, cap: Capacity, free0, totals, order, allocate: bool):
         slots=jnp.stack([run, jnp.where(run, chunk, 0), run & prefill,
                          jnp.where(run, d.n_live, 0), zero, zero, none, none]).astype(jnp.int32),
         pairs=pairs,
-        counts=jnp.stack([jnp.int32(0), jnp.int32(0), num_copy, free_dev, host_free0]))
+        counts=jnp.stack([jnp.int32(0), jnp.int32(0), num_copy, free_dev, host_free0,
+                          _everyone_slack(d, free0, cap), jnp.int32(BIG)]))
     return new_state, out
 
 
@@ -439,7 +456,9 @@ def _general(state, now, cap: Capacity, free0, totals=None):
     new_state = _commit(state, d, q, adm, ign_reason, swp, run, fields, blk, host_table,
                         admission_runs, prev_time, latency)
     out = _output(d, adm, swp, run, v, pairs,
-                  jnp.stack([num_swap_out, num_swap_in, num_copy, free_dev, free_host]))
+                  jnp.stack([num_swap_out, num_swap_in, num_copy, free_dev, free_host,
+                             jnp.minimum(jnp.minimum(adm.block_slack, swp.block_slack), run.block_slack),
+                             jnp.minimum(adm.seq_slack, swp.seq_slack)]))
     return new_state, out
 
 

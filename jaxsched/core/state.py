@@ -489,6 +489,11 @@ class SchedulerOutput:
     num_copy = OutputField("counts", "int32", "real pairs in blocks_to_copy")
     num_free_device_blocks = OutputField("counts", "int32", "free device blocks after the step")
     num_free_host_blocks = OutputField("counts", "int32", "free host blocks after the step")
+    block_slack = OutputField("counts", "int32", "fewest device blocks a block test had to spare "
+                              "(negative: one failed; 2**30: none ran; -1 where not tracked: prefix "
+                              "caching, artificial preemption)")
+    seq_slack = OutputField("counts", "int32", "fewest sequences a max_num_seqs test had to spare "
+                            "(likewise)")
 
     __slots__ = ("data", "dims")
 

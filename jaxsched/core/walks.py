@@ -28,6 +28,7 @@ class RunningWalk(NamedTuple):
     preempt_order: jax.Array   # int32[G], 0 = first preempted
     chunk: jax.Array           # int32[G] tokens scheduled (a decode reports 1)
     charged: jax.Array         # int32[G] tokens charged to the budget (k for a decode)
+    block_slack: jax.Array     # int32[] see `running_walk`
 
 
 class RunningInputs(NamedTuple):
@@ -72,6 +73,10 @@ def running_walk(inp: RunningInputs, m: jax.Array, free: jax.Array, budget: jax.
     sums run in float32 (see `block_pool.cumsum`). `head_recomputes`: the head group, were
     it preempted after every group behind it, would be recomputed; only then does B5 let a
     lone partial prefill go on (by swap vLLM swaps it out, which finishes).
+
+    `block_slack`: the fewest blocks any append check had to spare (free after the groups
+    before it minus k), negative when one failed (then something is preempted, or B5's lone
+    prefill goes on), BIG when none ran: with that many fewer free blocks the walk is the same.
     """
     g = inp.num_seqs.shape[0]
     pos = jnp.arange(g, dtype=jnp.int32)
@@ -100,9 +105,11 @@ def running_walk(inp: RunningInputs, m: jax.Array, free: jax.Array, budget: jax.
     # scheduled: it stays at the head of `running` (B3).
     num_served = jnp.where(failed, jnp.where(lone_prefill, 1, reached), s - over_hit)
     preempted = real & (pos >= first_victim)
+    # Before any preemption group i's check has x[i] - held_incl[-1] blocks to spare.
     return RunningWalk(served=pos < num_served, preempted=preempted,
                        preempt_order=jnp.where(preempted, m - 1 - pos, 0),
-                       chunk=chunk, charged=charged)
+                       chunk=chunk, charged=charged,
+                       block_slack=jnp.where(s > 0, bound - held_incl[-1], BIG).astype(jnp.int32))
 
 
 def running_walk_loop(inp: RunningInputs, m: jax.Array, free: jax.Array, budget: jax.Array,
@@ -151,14 +158,17 @@ def running_walk_loop(inp: RunningInputs, m: jax.Array, free: jax.Array, budget:
             jnp.zeros((g,), jnp.int32), jnp.int32(0), m == 0)
     out = lax.while_loop(cond, body, init)
     served, preempted, order, cnt = out[5], out[6], out[7], out[4]
+    # Slack is not tracked here (a forced failure is not a lack of blocks): -1, as bound.
     return RunningWalk(served=served, preempted=preempted, preempt_order=order,
-                       chunk=chunk, charged=charged), cnt
+                       chunk=chunk, charged=charged, block_slack=jnp.int32(-1)), cnt
 
 
 class PrefixWalk(NamedTuple):
-    served: jax.Array     # bool[G]
-    skipped: jax.Array    # bool[G] ignored on the way (NEVER, prompt too long)
-    chunk: jax.Array      # int32[G]
+    served: jax.Array       # bool[G]
+    skipped: jax.Array      # bool[G] ignored on the way (NEVER, prompt too long)
+    chunk: jax.Array        # int32[G]
+    block_slack: jax.Array  # int32[] see `prefix_walk`
+    seq_slack: jax.Array    # int32[]
 
 
 def prefix_walk(skip, test_need, consume, tokens, chunkable, seqs, m, free, watermark,
@@ -169,6 +179,12 @@ def prefix_walk(skip, test_need, consume, tokens, chunkable, seqs, m, free, wate
     count after the groups before it took `consume`), it gets tokens (`chunkable`: as many
     as are left, else all of `tokens` must fit), and its sequences fit. The first failure
     stops the walk.
+
+    `block_slack` and `seq_slack`: the least any group up to the first failure had to spare
+    in its block test and its sequence test (negative when one failed, BIG when no group
+    was tested). With that many fewer free blocks (or sequences left) every test up to the
+    stop, the stop included, comes out the same, so the walk does (a sweep uses this to
+    share one run between configurations, sim/sweep.py).
     """
     g = skip.shape[0]
     pos = jnp.arange(g, dtype=jnp.int32)
@@ -178,11 +194,15 @@ def prefix_walk(skip, test_need, consume, tokens, chunkable, seqs, m, free, wate
         jnp.where(cand, jnp.stack([consume, tokens, seqs]), 0), axis=1)
     left = token_left - used_tokens
     chunk = jnp.where(chunkable, jnp.minimum(tokens, left), tokens)
-    ok = ((free - used_blocks - test_need >= watermark) & (chunk > 0) & (chunk <= left)
-          & (used_seqs + seqs <= seq_left))
+    block_spare = free - used_blocks - test_need - watermark
+    seq_spare = seq_left - used_seqs - seqs
+    ok = (block_spare >= 0) & (chunk > 0) & (chunk <= left) & (seq_spare >= 0)
     stop = first_true(cand & ~ok, m)
     before = pos < stop
-    return PrefixWalk(served=cand & before, skipped=real & skip & before, chunk=chunk)
+    tested = cand & (pos <= stop)
+    least = lambda spare: jnp.min(jnp.where(tested, spare, BIG)).astype(jnp.int32)   # noqa: E731
+    return PrefixWalk(served=cand & before, skipped=real & skip & before, chunk=chunk,
+                      block_slack=least(block_spare), seq_slack=least(seq_spare))
 
 
 class Queues(NamedTuple):
