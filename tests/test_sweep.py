@@ -185,10 +185,40 @@ def test_sweep__runs_split_over_threads_give_the_same_rows_in_grid_order(vmapped
     key = lambda rs: [{k: r[k] for k in (*GRID, *METRICS)} for r in rs]   # noqa: E731
     stats = {}
     threaded = sweep(TRACE, **GRID, capacity=CAPACITY, vmap_runs=1, threads=3, progress=False, stats=stats)
-    assert stats["threads"] == 3 and stats["shard_sizes"] == [6]
+    assert stats["threads"] == 3 and set(stats["shard_sizes"]) == {6}    # each wave (pruning) as one
     assert key(threaded) == key(rows)
     with pytest.raises(SweepError, match="threads must be a positive integer"):
         sweep(TRACE, **GRID, capacity=CAPACITY, threads=0, progress=False)
+
+
+def test_sweep__pruned_rows_equal_the_rows_of_every_run_made():
+    """Pruning (sim/sweep_prune.py) gives each configuration the row of a run that passed
+    every test against its limits with room to spare: the rows of random grids equal those
+    of every run made. The grids vary device and host blocks, max_num_seqs down to 2 (the
+    trace has n up to 4: requests ignored at some values), modes, watermarks and chunked
+    prefill; some configurations are answered for, and some runs made in a second wave."""
+    rng = np.random.default_rng(7)
+    pick = lambda values, k: sorted(int(v) for v in rng.choice(values, k, replace=False))  # noqa: E731
+    assert max(r["n"] for r in TRACE["requests"]) > 2
+    pruned = waves = 0
+    for trial in range(4):
+        grid = dict(num_device_blocks=pick(range(8, 33), 4), max_num_seqs=pick(range(2, 9), 2))
+        grid.update([dict(preemption_mode=["recompute", "swap"]), dict(num_host_blocks=pick(range(0, 17), 2)),
+                     dict(watermark=[0.0, 0.1]), dict(preemption_mode=["swap", "default"])][trial])
+        static = dict(enable_chunked_prefill=True) if trial == 3 else {}
+        stats, full = {}, {}
+        rows = sweep(TRACE, **grid, **static, capacity=CAPACITY, vmap_runs=1, threads=2, progress=False,
+                     stats=stats)
+        every = sweep(TRACE, **grid, **static, capacity=CAPACITY, vmap_runs=1, threads=2, progress=False,
+                      prune=False, stats=full)
+        assert rows == every, grid
+        assert stats["prune"] and not full["prune"] and full["pruned"] == 0
+        assert stats["stepped_run_steps"] <= full["stepped_run_steps"] * stats["waves"]
+        pruned += stats["pruned"]
+        waves += stats["waves"] == 2
+    assert pruned >= 8 and waves >= 2
+    with pytest.raises(SweepError, match="prune must be True or False"):
+        sweep(TRACE, **GRID, capacity=CAPACITY, prune="yes", progress=False)
 
 
 def test_cli_sweep__prints_a_table_and_writes_csv_json_and_plots(tmp_path, capsys):
@@ -213,7 +243,7 @@ def test_sweep__more_requests_alive_than_slots_doubles_them_or_says_so(monkeypat
 
     calls = []
 
-    def replay(trace, configs, cap, vmap_runs, progress, threads, stats=None, skips=True):
+    def replay(trace, configs, cap, vmap_runs, progress, threads, stats=None, skips=True, batch=None):
         calls.append(cap["num_slots"])        # overflow until 64 slots
         if cap["num_slots"] < 64:
             return None

@@ -67,6 +67,7 @@ from jaxsched.core import batching
 from jaxsched.core.config import PREEMPT_RECOMPUTE, PREEMPT_SWAP, SchedulerConfig
 from jaxsched.core.costs import PreemptionCosts
 from jaxsched.core.requests import RequestBatch
+from jaxsched.sim import sweep_prune
 from jaxsched.sim.capacity import longest_sequence, needed_capacity, pow2, replay_capacity
 from jaxsched.sim.simulate import CHUNK_STEPS, replay_step
 from jaxsched.core.state import EMPTY, FINISHED, IGNORED, empty_state, stacked_limits
@@ -84,9 +85,10 @@ STATIC_FIELDS = ("block_size", "enable_chunked_prefill", "artificial_preemption"
 # Static too, but an axis: one sweep per value (`_sweep_caching`).
 CACHING_FIELD = "enable_prefix_caching"
 # Per-step record of one run, int32[NUM_COLS] (a StepTimeModel reads prefill, decode, swaps).
+# The slack columns are the scheduler's (SchedulerOutput.block_slack, seq_slack): sweep_prune.
 (C_FINISHED, C_RECOMPUTE, C_SWAP, C_SWAP_OUT, C_SWAP_IN, C_SWAPPED_IN, C_FREE_DEVICE,
- C_FREE_HOST, C_PREFILL_TOKENS, C_DECODE_SEQS, C_OVERFLOW) = range(11)
-NUM_COLS = 11
+ C_FREE_HOST, C_PREFILL_TOKENS, C_DECODE_SEQS, C_OVERFLOW, C_BLOCK_SLACK, C_SEQ_SLACK) = range(13)
+NUM_COLS = 13
 
 
 class SweepError(ValueError):
@@ -265,7 +267,7 @@ def _run_record(state, out, overflow):
         out.num_free_device_blocks, out.num_free_host_blocks,
         jnp.where(out.is_prefill, out.num_scheduled_tokens, 0).sum(dtype=jnp.int32),
         jnp.where(out.scheduled & ~out.is_prefill, out.num_seqs, 0).sum(dtype=jnp.int32),
-        overflow]).astype(jnp.int32)
+        overflow, out.block_slack, out.seq_slack]).astype(jnp.int32)
     # Output tokens so far of each group's longest sequence: its first token is when this
     # turns positive, its count at the finish is what TPOT divides by.
     output_len = jnp.where(state.status != EMPTY, state.num_tokens.max(-1) - state.prompt_len, 0)
@@ -427,9 +429,11 @@ def _deal(count: int, total: int, shards: int) -> np.ndarray:
 
 
 def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: int, progress: bool,
-            threads: int = 1, stats: dict | None = None, skips: bool = True):
+            threads: int = 1, stats: dict | None = None, skips: bool = True, batch: int | None = None):
     """Run every config to the end; (records [runs, T, NUM_COLS], per_request [runs, 4, N]) or
-    None when some run had more requests alive than slots.
+    None when some run had more requests alive than slots. `batch` (at least the runs):
+    the batch is shaped as for that many runs, the rest padding (so a wave of a pruned
+    sweep shares the whole grid's compiled chunk).
 
     The runs are stacked in a batch, split into `threads` equal shards, each stepped by the
     same compiled call on its own host thread (XLA releases the GIL while it runs). Between
@@ -444,8 +448,9 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
     stats = {} if stats is None else stats
     cap_config = dataclasses.replace(configs[0], **cap)
     reqs, runs = trace.requests, len(configs)
-    shards = max(1, min(threads, runs))
-    size, group = _shard_size(runs, runs, shards, vmap_runs)
+    positions = max(runs, batch or 0)
+    shards = max(1, min(threads, positions))
+    size, group = _shard_size(positions, positions, shards, vmap_runs)
     ids = _deal(runs, size * shards, shards)       # the run at each position (-1: padding)
     limits = stacked_limits([configs[r if r >= 0 else runs - 1] for r in ids])
     # A padding run starts drained (every request has a finish step): lax.map skips it.
@@ -502,7 +507,7 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
             bar.update(int(new.sum()))
             start += CHUNK_STEPS
             live = np.nonzero(real & (done[np.maximum(ids, 0)] < len(reqs)))[0]
-            new_size, new_group = _shard_size(len(live), runs, shards, vmap_runs)
+            new_size, new_group = _shard_size(len(live), positions, shards, vmap_runs)
             # Compaction (vmap only: a lax.map skips a drained run's chunk for free), once the
             # live runs fit a quarter of the batch: fewer shapes, fewer compiles.
             if live.size and group > 1 and new_size * 4 <= size:
@@ -542,7 +547,7 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
           vmap_runs: int | None = None, threads: int | None = None, progress: bool = True,
           preemption_costs=None, memory=None, slo_ttft: float | None = None,
           slo_tpot: float | None = None, per_request: bool = False, stats: dict | None = None,
-          vmap_skips: bool | None = None, **axes) -> list[dict]:
+          vmap_skips: bool | None = None, prune: bool | None = None, **axes) -> list[dict]:
     """Replay `trace` under every combination of the given limit lists; one row per run.
 
     Memory axes, vLLM's knobs: `gpu_memory_utilization` and `swap_space` (GiB), each a list
@@ -578,6 +583,12 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
     `jaxsched sweep` sets) runs a sweep about 13% faster (`xla_flags.SWEEP_GPU_FLAGS`).
     `threads` splits the runs into that many shards stepped in parallel on host threads
     (default: one per CPU core on the CPU backend, else 1); results do not depend on it.
+    `prune`: run each grid line's largest configuration first, and not run the
+    configurations whose rows one of those runs gives exactly (sim/sweep_prune.py: every
+    test against their limits would come out the same); rows do not depend on it. Default
+    on where it saves time, the lax.map path (where a run not made is time saved; a vmapped
+    batch costs about the same with fewer runs, and a second wave doubles its steps), and
+    never under prefix caching or artificial preemption.
 
     Row fields: the swept values; steps (to drain, as `simulate`); preempted_recompute,
     preempted_swap, num_preemptions; swapped_in (groups), blocks_swapped_out,
@@ -591,7 +602,8 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
     run_s (the rest), compiles (the chunk's, one per batch shape, and the first batch's,
     one per capacity and batch shape), run_steps (the steps of all runs to drain), path ("vmap" or
     "map"), threads, vmap_group, shard_sizes (runs per shard, shrinking as runs drain),
-    stepped_run_steps (run-steps computed, padding included) and num_slots.
+    stepped_run_steps (run-steps computed, padding included), num_slots, and with `prune`
+    waves (1 or 2) and pruned (configurations answered without a run of their own).
     """
     if not isinstance(trace, dict) or "config" not in trace:
         raise SweepError("sweep: the trace must be a dict with 'config' and 'requests'")
@@ -605,7 +617,8 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
         return _sweep_caching(trace, axes.pop(CACHING_FIELD), stats, axes,
                               dict(capacity=capacity, step_time_model=step_time_model,
                                    vmap_runs=vmap_runs, threads=threads, progress=progress,
-                                   vmap_skips=vmap_skips, preemption_costs=preemption_costs, memory=memory,
+                                   vmap_skips=vmap_skips, prune=prune, preemption_costs=preemption_costs,
+                                   memory=memory,
                                    slo_ttft=slo_ttft, slo_tpot=slo_tpot, per_request=per_request))
     static = {f: _static_value(f, axes.pop(f)) for f in list(axes) if f in STATIC_FIELDS}
     if preemption_costs is not None:
@@ -629,12 +642,17 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
         vmap_skips = default_vmap_skips()
     if not isinstance(vmap_skips, (bool, np.bool_)):
         raise SweepError(f"sweep: vmap_skips must be True or False, got {vmap_skips!r}")
+    if prune is None:
+        prune = vmap_runs == 1
+    if not isinstance(prune, (bool, np.bool_)):
+        raise SweepError(f"sweep: prune must be True or False, got {prune!r}")
+    prune = bool(prune) and sweep_prune.prunable(configs[0])
     info = {"compile_s": 0.0, "trace_s": 0.0, "lower_s": 0.0, "xla_s": 0.0, "compiles": 0, "runs": len(configs),
-            "path": "vmap" if vmap_runs > 1 else "map", "vmap_skips": bool(vmap_skips)}
+            "path": "vmap" if vmap_runs > 1 else "map", "vmap_skips": bool(vmap_skips), "prune": prune}
     t0 = time.perf_counter()
     try:
         out = _sweep_replay(parsed, configs, cap, capacity, vmap_runs, progress, threads, info,
-                            bool(vmap_skips))
+                            bool(vmap_skips), prune)
     finally:                    # also when runs did not drain (a benchmark times a few chunks)
         if stats is not None:
             wall = time.perf_counter() - t0
@@ -660,16 +678,17 @@ def _sweep_caching(trace: dict, spec, stats: dict | None, axes: dict, kwargs: di
         rows += [dict(r, enable_prefix_caching=on) for r in sweep(cfg, stats=part, **kwargs, **axes)]
         for k, v in part.items():
             summed = k in ("wall_s", "compile_s", "trace_s", "lower_s", "xla_s", "run_s", "compiles", "runs",
-                           "run_steps", "stepped_run_steps")
+                           "run_steps", "stepped_run_steps", "pruned")
             total[k] = total.get(k, 0) + v if summed else v
     if stats is not None:
         stats.update(total)
     return rows
 
 
-def _sweep_replay(parsed, configs, cap, capacity, vmap_runs, progress, threads, info, skips=True):
-    """`_replay`, restarted with twice the slots while some run has more requests alive."""
-    while (out := _replay(parsed, configs, cap, vmap_runs, progress, threads, stats=info, skips=skips)) is None:
+def _sweep_replay(parsed, configs, cap, capacity, vmap_runs, progress, threads, info, skips=True,
+                  prune=False):
+    """`_waves`, restarted with twice the slots while some run has more requests alive."""
+    while (out := _waves(parsed, configs, cap, vmap_runs, progress, threads, info, skips, prune)) is None:
         if capacity and "num_slots" in capacity:
             raise SweepError(f"sweep: some run has more than num_slots={cap['num_slots']} requests "
                              f"alive at once; raise the capacity's num_slots")
@@ -678,6 +697,54 @@ def _sweep_replay(parsed, configs, cap, capacity, vmap_runs, progress, threads, 
             print(f"sweep: more requests alive than {cap['num_slots'] // 2} slots; restarting with "
                   f"{cap['num_slots']} (one more compile; capacity num_slots skips this)", file=sys.stderr)
     return out
+
+
+def _waves(parsed, configs, cap, vmap_runs, progress, threads, info, skips, prune):
+    """`_replay` of every config, or with `prune` in two waves (sim/sweep_prune.py): each
+    grid line's largest configuration, then those no run of the first answers for. The
+    records of an answered configuration are its answering run's, the free-block counts
+    shifted by the difference in pool sizes. None as `_replay`."""
+    run = lambda which: _replay(parsed, [configs[i] for i in which], cap, vmap_runs, progress,  # noqa: E731
+                                threads, stats=info, skips=skips, batch=len(configs))
+    first = sweep_prune.first_wave(configs) if prune else list(range(len(configs)))
+    info.update(pruned=0, waves=1)
+    if (out := run(first)) is None:
+        return None
+    if len(first) == len(configs):
+        return out
+    records, per_request = out
+    stepped, sizes = info["stepped_run_steps"], info["shard_sizes"]
+    slack = np.stack([_least(records[j], C_BLOCK_SLACK) for j in range(len(first))])
+    seq_slack = np.stack([_least(records[j], C_SEQ_SLACK) for j in range(len(first))])
+    preempted = (records[:, :, C_RECOMPUTE] + records[:, :, C_SWAP]).sum(1) > 0
+    answered = sweep_prune.answers(configs, first, slack, seq_slack, preempted,
+                                   [r["n"] for r in parsed.requests])
+    rest = [i for i in range(len(configs)) if i not in answered and i not in first]
+    parts = [(first, records, per_request)]
+    if rest:
+        if (out := run(rest)) is None:
+            return None
+        parts.append((rest, *out))
+        info.update(stepped_run_steps=stepped + info["stepped_run_steps"],
+                    shard_sizes=sizes + info["shard_sizes"], waves=2)
+    steps = max(rec.shape[1] for _, rec, _ in parts)
+    all_rec = np.zeros((len(configs), steps, NUM_COLS), np.int32)
+    all_per = np.zeros((len(configs),) + per_request.shape[1:], np.int32)
+    for which, rec, per in parts:
+        all_rec[which, :rec.shape[1]], all_per[which] = rec, per
+    for i, j in answered.items():
+        mine, theirs = configs[i], configs[first[j]]
+        all_rec[i], all_per[i] = all_rec[first[j]], per_request[j]
+        all_rec[i, :, C_FREE_DEVICE] += mine.num_device_blocks - theirs.num_device_blocks
+        all_rec[i, :, C_FREE_HOST] += mine.num_host_blocks - theirs.num_host_blocks
+    info["pruned"] = len(answered)
+    return all_rec, all_per
+
+
+def _least(rec: np.ndarray, col: int) -> int:
+    """The least value of a slack column over a run's steps up to its last finish."""
+    last = int(np.nonzero(rec[:, C_FINISHED])[0].max())
+    return int(rec[:last + 1, col].min())
 
 
 def _row(point, config, rec, per_request, arrival, model, slo=None, keep=False) -> dict:
