@@ -237,6 +237,21 @@ def test_cli_sweep__prints_a_table_and_writes_csv_json_and_plots(tmp_path, capsy
         assert (tmp_path / "out" / name).stat().st_size > 10_000
 
 
+def test_cli_sweep__no_prune_runs_every_configuration_for_the_same_rows(tmp_path, capsys):
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(TRACE))
+    capacity = ",".join(f"{k}={v}" for k, v in CAPACITY.items())
+    argv = ["sweep", str(path), "--num-device-blocks", "20,24,28,32", "--max-num-seqs", "4,8",
+            "--preemption-mode", "recompute,swap", "--capacity", capacity, "--threads", "2", "--no-progress"]
+    outputs = []
+    for extra in ([], ["--no-prune"]):
+        assert run_cli(argv + extra + ["-o", str(tmp_path / str(len(extra)))]) == 0
+        outputs.append(capsys.readouterr().out)
+    assert "swept " in outputs[0] and ": 16 runs (2 answered by another run)" in outputs[0]
+    assert ": 16 runs\n" in outputs[1]
+    assert (tmp_path / "0" / "sweep.json").read_text() == (tmp_path / "1" / "sweep.json").read_text()
+
+
 def test_sweep__more_requests_alive_than_slots_doubles_them_or_says_so(monkeypatch):
     import importlib
     sweep_module = importlib.import_module("jaxsched.sim.sweep")   # jaxsched.sweep is the function

@@ -94,6 +94,9 @@ def register(subparsers) -> None:
     s("--no-vmap-skips", action="store_true",
       help="a vmapped batch computes every branch for every run and masks it instead of skipping "
            "what no run needs (no conditionals; slower on the CPU and on an H200, see README)")
+    s("--no-prune", action="store_true",
+      help="run every configuration, also those whose rows a run of a larger one gives exactly "
+           "(pruning is on by default on CPU; rows are the same either way)")
     s("--gpu-memory-utilization", metavar="SPEC", help="sweep axis in memory units, e.g. 0.5:0.9:0.1: "
       "the device's share that the weights, working memory and KV cache may use (needs --model)")
     s("--swap-space", metavar="SPEC", help="sweep axis, GiB of host swap per device, e.g. 1,4,16 (needs --model)")
@@ -304,11 +307,13 @@ def cmd_sweep(args) -> int:
             raise ValueError("--min-goodput: needs --slo-ttft and/or --slo-tpot")
         from jaxsched.entrypoints.compilation_cache import enable_compilation_cache
         enable_compilation_cache(getattr(args, "compilation_cache_dir", None))
+        stats: dict = {}
         rows = sweep(trace, capacity=capacity, step_time_model=model, vmap_runs=args.vmap_runs,
                      threads=args.threads, progress=not args.no_progress,
                      vmap_skips=False if args.no_vmap_skips else None,
+                     prune=False if args.no_prune else None,
                      preemption_costs=args.preemption_costs, memory=memory,
-                     slo_ttft=args.slo_ttft, slo_tpot=args.slo_tpot, **axes)
+                     slo_ttft=args.slo_ttft, slo_tpot=args.slo_tpot, stats=stats, **axes)
     except (SweepError, TraceError, ValueError) as e:
         print(_one_line(e), file=sys.stderr)
         return 2
@@ -317,7 +322,8 @@ def cmd_sweep(args) -> int:
         return 1
     fields = ("enable_prefix_caching",) + SWEEP_FIELDS[:2] + MEMORY_FIELDS + SWEEP_FIELDS[2:]
     columns = [c for c in fields if c in rows[0]] + [c for c in TABLE_COLUMNS if c in rows[0]]
-    print(f"swept {args.trace}: {len(rows)} runs")
+    answered = f" ({stats['pruned']} answered by another run)" if stats.get("pruned") else ""
+    print(f"swept {args.trace}: {len(rows)} runs{answered}")
     print(markdown_table(rows, columns))
     if args.min_goodput is not None:
         pick = pick_smallest(rows, args.min_goodput)
