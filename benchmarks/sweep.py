@@ -1,6 +1,6 @@
 """Capacity sweeps as the grid grows: cost per run-step of each sweep path, beside one run at a time.
 
-    python benchmarks/sweep.py [--sizes 16,64,256,1024] [--paths map,vmap] [--sample 8]
+    python benchmarks/sweep.py [--sizes 16,64,256,1024] [--paths map,map-all,vmap] [--sample 8]
                                [--simulate-sample 8] [--vmap-chunks 4] [--full-vmap-up-to 256]
                                [--results DIR] [--name NAME]
 
@@ -14,7 +14,11 @@ prompts of ~60 and outputs of ~25 tokens, 20% of requests with n in 2..4), swept
   simulate:      `jaxsched.sim.simulate` one configuration at a time, all sharing the sweep's
                  static capacity (one compile, listed apart); --sample of them timed
   sweep map:     `jaxsched.sim.sweep`, a `lax.map` over runs, one shard per CPU core on host
-                 threads (the CPU default); every run to the end
+                 threads (the CPU default), pruned: configurations whose rows a run of a larger
+                 one gives exactly are not run (sim/sweep_prune.py; `timed` says how many ran);
+                 cost per run-step is over the whole grid's run-steps, as for every path
+  no pruning:    the same, every configuration run to the end (--paths map-all); its rows
+                 must equal the pruned sweep's
   sweep vmap:    `jax.vmap` over all runs of a shard (vmap_runs=N), drained runs compacted
                  away; skips decided once for the batch (`skips`) or none at all, every branch
                  masked (`no skips`: --paths vmap-noskip; `vmap` takes the backend's default);
@@ -98,13 +102,13 @@ def entry(size, method, run_s, compile_s, run_steps, note):
                 run_steps_per_s=run_steps / run_s, us_per_run_step=run_s / run_steps * 1e6, timed=note)
 
 
-def time_sweep(trace, axes, vmap_runs, threads, max_steps=None, vmap_skips=None):
+def time_sweep(trace, axes, vmap_runs, threads, max_steps=None, vmap_skips=None, prune=None):
     stats = {}
     if max_steps is not None:
         trace = dict(trace, config=dict(trace["config"], max_steps=max_steps))
     try:
         rows = sweep(trace, **axes, vmap_runs=vmap_runs, threads=threads, progress=False, stats=stats,
-                     vmap_skips=vmap_skips)
+                     vmap_skips=vmap_skips, prune=prune)
     except RuntimeError:
         if max_steps is None:
             raise
@@ -124,8 +128,15 @@ def one_size(trace, size, paths, sample, vmap_chunks, full_vmap_up_to, simulate_
     if "map" in paths or jax.default_backend() == "cpu":
         rows, st = time_sweep(trace, axes, 1, threads)
         if "map" in paths:
+            ran = f"{size - st['pruned']} of {size} configurations run" if st["prune"] else "all runs"
             out.append(entry(size, f"sweep map, {threads} threads", st["run_s"], st["compile_s"],
-                             st["run_steps"], "all runs"))
+                             st["run_steps"], ran))
+    if "map-all" in paths:
+        every, st = time_sweep(trace, axes, 1, threads, prune=False)
+        assert rows is None or every == rows, "pruning changed a row"
+        rows = rows or every
+        out.append(entry(size, f"sweep map, {threads} threads, no pruning", st["run_s"], st["compile_s"],
+                         st["run_steps"], "all runs"))
     for path in [p for p in VMAP_PATHS if p in paths]:
         which, skips = VMAP_PATHS[path]
         vmap_threads = threads if which == "all" else 1
@@ -239,8 +250,9 @@ def plot(table, path, backend):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="16,64,256,1024", help="grid sizes (multiples of 8)")
-    ap.add_argument("--paths", default="map,vmap",
-                    help="sweep paths: map, vmap (one thread), vmap-threads (vmap, a shard per core), "
+    ap.add_argument("--paths", default="map,map-all,vmap",
+                    help="sweep paths: map (the CPU default: pruned), map-all (every configuration run), "
+                         "vmap (one thread), vmap-threads (vmap, a shard per core), "
                          "vmap-skip and vmap-noskip (one thread, skips forced on or off)")
     ap.add_argument("--sample", type=int, default=8, help="python-loop and simulate runs timed per size")
     ap.add_argument("--simulate-sample", type=int, default=None,

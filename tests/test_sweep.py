@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import itertools
 import json
 
 import numpy as np
@@ -208,7 +209,7 @@ def test_sweep__pruned_rows_equal_the_rows_of_every_run_made():
         static = dict(enable_chunked_prefill=True) if trial == 3 else {}
         stats, full = {}, {}
         rows = sweep(TRACE, **grid, **static, capacity=CAPACITY, vmap_runs=1, threads=2, progress=False,
-                     stats=stats)
+                     prune=True, stats=stats)
         every = sweep(TRACE, **grid, **static, capacity=CAPACITY, vmap_runs=1, threads=2, progress=False,
                       prune=False, stats=full)
         assert rows == every, grid
@@ -217,7 +218,7 @@ def test_sweep__pruned_rows_equal_the_rows_of_every_run_made():
         pruned += stats["pruned"]
         waves += stats["waves"] == 2
     assert pruned >= 8 and waves >= 2
-    with pytest.raises(SweepError, match="prune must be True or False"):
+    with pytest.raises(SweepError, match="prune must be True, False or None"):
         sweep(TRACE, **GRID, capacity=CAPACITY, prune="yes", progress=False)
 
 
@@ -237,19 +238,36 @@ def test_cli_sweep__prints_a_table_and_writes_csv_json_and_plots(tmp_path, capsy
         assert (tmp_path / "out" / name).stat().st_size > 10_000
 
 
-def test_cli_sweep__no_prune_runs_every_configuration_for_the_same_rows(tmp_path, capsys):
+def test_first_wave__the_largest_of_each_line_of_more_than_one():
+    from jaxsched.core.config import SchedulerConfig
+    from jaxsched.sim import sweep_prune
+
+    def configs(**axes):
+        names = list(axes)
+        return [SchedulerConfig(**dict(zip(names, combo)))
+                for combo in itertools.product(*axes.values())]
+    by_blocks = configs(num_device_blocks=[16, 32, 64, 128], max_num_seqs=[8])
+    assert sweep_prune.first_wave(by_blocks) == [3]                     # one line: its largest
+    grid = configs(max_num_seqs=[4, 8], num_device_blocks=[16, 32, 64])
+    assert sweep_prune.first_wave(grid) == [2, 3, 4, 5]                  # S=4 and every B's S=8
+    assert sweep_prune.worth_it(by_blocks, [3]) and not sweep_prune.worth_it(grid, [2, 3, 4, 5])
+    assert sweep_prune.first_wave(configs(watermark=[0.0, 0.01, 0.1])) == []   # no shared line
+
+
+def test_cli_sweep__prune_or_not_gives_the_same_rows(tmp_path, capsys):
     path = tmp_path / "trace.json"
     path.write_text(json.dumps(TRACE))
     capacity = ",".join(f"{k}={v}" for k, v in CAPACITY.items())
     argv = ["sweep", str(path), "--num-device-blocks", "20,24,28,32", "--max-num-seqs", "4,8",
             "--preemption-mode", "recompute,swap", "--capacity", capacity, "--threads", "2", "--no-progress"]
     outputs = []
-    for extra in ([], ["--no-prune"]):
-        assert run_cli(argv + extra + ["-o", str(tmp_path / str(len(extra)))]) == 0
+    for i, extra in enumerate((["--prune"], ["--no-prune"], [])):
+        assert run_cli(argv + extra + ["-o", str(tmp_path / str(i))]) == 0
         outputs.append(capsys.readouterr().out)
     assert "swept " in outputs[0] and ": 16 runs (2 answered by another run)" in outputs[0]
-    assert ": 16 runs\n" in outputs[1]
-    assert (tmp_path / "0" / "sweep.json").read_text() == (tmp_path / "1" / "sweep.json").read_text()
+    # By default a first wave of 10 of the 16 is not worth it (sweep_prune.worth_it).
+    assert ": 16 runs\n" in outputs[1] and ": 16 runs\n" in outputs[2]
+    assert len({(tmp_path / str(i) / "sweep.json").read_text() for i in range(3)}) == 1
 
 
 def test_sweep__more_requests_alive_than_slots_doubles_them_or_says_so(monkeypatch):

@@ -10,6 +10,7 @@ stays fast.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -94,9 +95,10 @@ def register(subparsers) -> None:
     s("--no-vmap-skips", action="store_true",
       help="a vmapped batch computes every branch for every run and masks it instead of skipping "
            "what no run needs (no conditionals; slower on the CPU and on an H200, see README)")
-    s("--no-prune", action="store_true",
-      help="run every configuration, also those whose rows a run of a larger one gives exactly "
-           "(pruning is on by default on CPU; rows are the same either way)")
+    s("--prune", action=argparse.BooleanOptionalAction, default=None,
+      help="run each grid line's largest configuration first and not the configurations whose "
+           "rows it gives exactly; rows are the same either way (default: on CPU, when the first "
+           "wave is at most half the grid)")
     s("--gpu-memory-utilization", metavar="SPEC", help="sweep axis in memory units, e.g. 0.5:0.9:0.1: "
       "the device's share that the weights, working memory and KV cache may use (needs --model)")
     s("--swap-space", metavar="SPEC", help="sweep axis, GiB of host swap per device, e.g. 1,4,16 (needs --model)")
@@ -311,7 +313,7 @@ def cmd_sweep(args) -> int:
         rows = sweep(trace, capacity=capacity, step_time_model=model, vmap_runs=args.vmap_runs,
                      threads=args.threads, progress=not args.no_progress,
                      vmap_skips=False if args.no_vmap_skips else None,
-                     prune=False if args.no_prune else None,
+                     prune=args.prune,
                      preemption_costs=args.preemption_costs, memory=memory,
                      slo_ttft=args.slo_ttft, slo_tpot=args.slo_tpot, stats=stats, **axes)
     except (SweepError, TraceError, ValueError) as e:

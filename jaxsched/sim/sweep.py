@@ -42,6 +42,13 @@ benchmarks/results/sweep_gpu.md). A vmapped batch skips what none of its runs ne
 (`stats`); one compiled chunk serves every batch of the same capacity and shape within a
 process, and `jaxsched sweep` turns on the persistent compilation cache across processes.
 
+Not every configuration needs a run of its own (`prune`, sim/sweep_prune.py): each step
+reports how much its block and max_num_seqs tests had to spare, so a run whose tests all
+passed with room answers exactly for the configurations within that room. On the map path
+(the CPU default) each grid line's largest configuration runs first, and only the
+configurations none of them answers for run after it, in a second wave of the same batch
+shape.
+
 Request slots are a static size too. A sweep starts with a modest number of slots and, if
 some run ever has more requests alive than slots, doubles them and starts over (one more
 compile); results never depend on the slot count, only the speed does.
@@ -585,10 +592,12 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
     (default: one per CPU core on the CPU backend, else 1); results do not depend on it.
     `prune`: run each grid line's largest configuration first, and not run the
     configurations whose rows one of those runs gives exactly (sim/sweep_prune.py: every
-    test against their limits would come out the same); rows do not depend on it. Default
-    on where it saves time, the lax.map path (where a run not made is time saved; a vmapped
-    batch costs about the same with fewer runs, and a second wave doubles its steps), and
-    never under prefix caching or artificial preemption.
+    test against their limits would come out the same); rows do not depend on it. None
+    (default): where it saves time, by measurement (benchmarks/results/sweep.md): on the
+    lax.map path, where a run not made is time saved, when the first wave is at most half
+    the grid (`sweep_prune.worth_it`); not vmapped, where a batch costs about the same with
+    fewer runs and a second wave doubles the steps. Never under prefix caching or
+    artificial preemption.
 
     Row fields: the swept values; steps (to drain, as `simulate`); preempted_recompute,
     preempted_swap, num_preemptions; swapped_in (groups), blocks_swapped_out,
@@ -602,8 +611,9 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
     run_s (the rest), compiles (the chunk's, one per batch shape, and the first batch's,
     one per capacity and batch shape), run_steps (the steps of all runs to drain), path ("vmap" or
     "map"), threads, vmap_group, shard_sizes (runs per shard, shrinking as runs drain),
-    stepped_run_steps (run-steps computed, padding included), num_slots, and with `prune`
-    waves (1 or 2) and pruned (configurations answered without a run of their own).
+    stepped_run_steps (run-steps computed, padding included), num_slots, prune (did it run
+    a first wave of the grid's lines), waves (1 or 2) and pruned (configurations answered
+    for without a run of their own).
     """
     if not isinstance(trace, dict) or "config" not in trace:
         raise SweepError("sweep: the trace must be a dict with 'config' and 'requests'")
@@ -642,13 +652,15 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
         vmap_skips = default_vmap_skips()
     if not isinstance(vmap_skips, (bool, np.bool_)):
         raise SweepError(f"sweep: vmap_skips must be True or False, got {vmap_skips!r}")
-    if prune is None:
-        prune = vmap_runs == 1
-    if not isinstance(prune, (bool, np.bool_)):
-        raise SweepError(f"sweep: prune must be True or False, got {prune!r}")
-    prune = bool(prune) and sweep_prune.prunable(configs[0])
+    if prune is not None and not isinstance(prune, (bool, np.bool_)):
+        raise SweepError(f"sweep: prune must be True, False or None, got {prune!r}")
+    if not sweep_prune.prunable(configs[0]):
+        prune = False
+    elif prune is None:            # by measurement: see `sweep`'s docstring
+        prune = "auto" if vmap_runs == 1 else False
+    prune = prune if prune == "auto" else bool(prune)
     info = {"compile_s": 0.0, "trace_s": 0.0, "lower_s": 0.0, "xla_s": 0.0, "compiles": 0, "runs": len(configs),
-            "path": "vmap" if vmap_runs > 1 else "map", "vmap_skips": bool(vmap_skips), "prune": prune}
+            "path": "vmap" if vmap_runs > 1 else "map", "vmap_skips": bool(vmap_skips)}
     t0 = time.perf_counter()
     try:
         out = _sweep_replay(parsed, configs, cap, capacity, vmap_runs, progress, threads, info,
@@ -700,14 +712,17 @@ def _sweep_replay(parsed, configs, cap, capacity, vmap_runs, progress, threads, 
 
 
 def _waves(parsed, configs, cap, vmap_runs, progress, threads, info, skips, prune):
-    """`_replay` of every config, or with `prune` in two waves (sim/sweep_prune.py): each
-    grid line's largest configuration, then those no run of the first answers for. The
+    """`_replay` of every config, or with `prune` (True, or "auto": where `worth_it`) in two
+    waves (sim/sweep_prune.py): each grid line's largest configuration, then those no run
+    of the first answers for. The
     records of an answered configuration are its answering run's, the free-block counts
     shifted by the difference in pool sizes. None as `_replay`."""
     run = lambda which: _replay(parsed, [configs[i] for i in which], cap, vmap_runs, progress,  # noqa: E731
                                 threads, stats=info, skips=skips, batch=len(configs))
-    first = sweep_prune.first_wave(configs) if prune else list(range(len(configs)))
-    info.update(pruned=0, waves=1)
+    first = sweep_prune.first_wave(configs) if prune else []
+    if not first or (prune == "auto" and not sweep_prune.worth_it(configs, first)):
+        first = list(range(len(configs)))
+    info.update(pruned=0, waves=1, prune=len(first) < len(configs))
     if (out := run(first)) is None:
         return None
     if len(first) == len(configs):
