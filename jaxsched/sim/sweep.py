@@ -731,9 +731,7 @@ def _waves(parsed, configs, cap, vmap_runs, progress, threads, info, skips, prun
     stepped, sizes = info["stepped_run_steps"], info["shard_sizes"]
     slack = np.stack([_least(records[j], C_BLOCK_SLACK) for j in range(len(first))])
     seq_slack = np.stack([_least(records[j], C_SEQ_SLACK) for j in range(len(first))])
-    preempted = (records[:, :, C_RECOMPUTE] + records[:, :, C_SWAP]).sum(1) > 0
-    answered = sweep_prune.answers(configs, first, slack, seq_slack, preempted,
-                                   [r["n"] for r in parsed.requests])
+    answered = sweep_prune.answers(configs, first, slack, seq_slack, [r["n"] for r in parsed.requests])
     rest = [i for i in range(len(configs)) if i not in answered and i not in first]
     parts = [(first, records, per_request)]
     if rest:

@@ -9,8 +9,10 @@ on arrival. Every step reports how much the closest test of each kind had to spa
 whose tests all passed with at least b blocks and s sequences to spare makes the very same
 decisions at any B' >= B - b and any S' >= S - s that ignores the same requests: every
 test comes out the same, step after step. A larger B' or S' only adds to the spare.
-preemption_mode and num_host_blocks matter only to a run that preempts. Such a run's row
-is the answering run's, its free-block counts shifted by the difference in pool sizes.
+preemption_mode and num_host_blocks matter only to a run that fails a block test: it
+preempts (by mode, into the host pool), or SPEC B5 lets a lone prefill go on where it
+would be recomputed. Such a configuration's row is the answering run's, its free-block
+counts shifted by the difference in pool sizes.
 
 Which runs to make first: every grid line's largest configuration (the largest B of each
 (S, mode, host blocks), the largest S of each (B, mode, host blocks), other limits equal),
@@ -69,12 +71,11 @@ def worth_it(configs: list[SchedulerConfig], first: list[int]) -> bool:
     return 0 < len(first) <= len(configs) // 2
 
 
-def answers(configs: list[SchedulerConfig], ran: list[int], block_slack, seq_slack, preempted,
+def answers(configs: list[SchedulerConfig], ran: list[int], block_slack, seq_slack,
             request_n) -> dict[int, int]:
     """{configuration index: index into `ran`} for the configurations not in `ran` that a
     run of `ran` answers for. `block_slack`, `seq_slack` (int[len(ran)]) are each run's
-    least spare over all its steps, `preempted` (bool[len(ran)]) whether it ever preempted,
-    `request_n` every request's n."""
+    least spare over all its steps, `request_n` every request's n."""
     n_values = np.unique(np.asarray(request_n))
     ran_set = set(ran)
     by_others: dict = {}
@@ -85,7 +86,6 @@ def answers(configs: list[SchedulerConfig], ran: list[int], block_slack, seq_sla
                   field("num_host_blocks", js), [configs[ran[j]].preemption_mode for j in js])
               for k, js in by_others.items()}
     block_slack, seq_slack = np.asarray(block_slack), np.asarray(seq_slack)
-    preempted = np.asarray(preempted, bool)
     out = {}
     for i, c in enumerate(configs):
         if i in ran_set or _others(c) not in groups:
@@ -99,7 +99,7 @@ def answers(configs: list[SchedulerConfig], ran: list[int], block_slack, seq_sla
         s_ok = (s == c.max_num_seqs) | ((seq_slack[js] >= 0) & (c.max_num_seqs >= s - seq_slack[js])
                                         & same_ignored)
         same_mode = np.array([m == c.preemption_mode for m in modes]) & (h == c.num_host_blocks)
-        ok = b_ok & s_ok & (same_mode | ~preempted[js])
+        ok = b_ok & s_ok & (same_mode | (block_slack[js] >= 0))
         if ok.any():
             out[i] = int(js[np.argmax(ok)])
     return out
