@@ -714,9 +714,8 @@ def _sweep_replay(parsed, configs, cap, capacity, vmap_runs, progress, threads, 
 def _waves(parsed, configs, cap, vmap_runs, progress, threads, info, skips, prune):
     """`_replay` of every config, or with `prune` (True, or "auto": where `worth_it`) in two
     waves (sim/sweep_prune.py): each grid line's largest configuration, then those no run
-    of the first answers for. The
-    records of an answered configuration are its answering run's, the free-block counts
-    shifted by the difference in pool sizes. None as `_replay`."""
+    of the first answers for. The records of an answered configuration are its answering
+    run's, the free-block counts shifted by the difference in pool sizes. None as `_replay`."""
     run = lambda which: _replay(parsed, [configs[i] for i in which], cap, vmap_runs, progress,  # noqa: E731
                                 threads, stats=info, skips=skips, batch=len(configs))
     first = sweep_prune.first_wave(configs) if prune else []
