@@ -654,17 +654,18 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
         raise SweepError(f"sweep: vmap_skips must be True or False, got {vmap_skips!r}")
     if prune is not None and not isinstance(prune, (bool, np.bool_)):
         raise SweepError(f"sweep: prune must be True, False or None, got {prune!r}")
-    if not sweep_prune.prunable(configs[0]):
-        prune = False
-    elif prune is None:            # by measurement: see `sweep`'s docstring
-        prune = "auto" if vmap_runs == 1 else False
-    prune = prune if prune == "auto" else bool(prune)
+    # The first wave, when there is one (by measurement by default: see the docstring).
+    first = None
+    if sweep_prune.prunable(configs[0]) and (prune or (prune is None and vmap_runs == 1)):
+        first = sweep_prune.first_wave(configs)
+        if prune is None and not sweep_prune.worth_it(configs, first):
+            first = None
     info = {"compile_s": 0.0, "trace_s": 0.0, "lower_s": 0.0, "xla_s": 0.0, "compiles": 0, "runs": len(configs),
             "path": "vmap" if vmap_runs > 1 else "map", "vmap_skips": bool(vmap_skips)}
     t0 = time.perf_counter()
     try:
         out = _sweep_replay(parsed, configs, cap, capacity, vmap_runs, progress, threads, info,
-                            bool(vmap_skips), prune)
+                            bool(vmap_skips), first)
     finally:                    # also when runs did not drain (a benchmark times a few chunks)
         if stats is not None:
             wall = time.perf_counter() - t0
@@ -698,9 +699,9 @@ def _sweep_caching(trace: dict, spec, stats: dict | None, axes: dict, kwargs: di
 
 
 def _sweep_replay(parsed, configs, cap, capacity, vmap_runs, progress, threads, info, skips=True,
-                  prune=False):
+                  first=None):
     """`_waves`, restarted with twice the slots while some run has more requests alive."""
-    while (out := _waves(parsed, configs, cap, vmap_runs, progress, threads, info, skips, prune)) is None:
+    while (out := _waves(parsed, configs, cap, vmap_runs, progress, threads, info, skips, first)) is None:
         if capacity and "num_slots" in capacity:
             raise SweepError(f"sweep: some run has more than num_slots={cap['num_slots']} requests "
                              f"alive at once; raise the capacity's num_slots")
@@ -711,15 +712,13 @@ def _sweep_replay(parsed, configs, cap, capacity, vmap_runs, progress, threads, 
     return out
 
 
-def _waves(parsed, configs, cap, vmap_runs, progress, threads, info, skips, prune):
-    """`_replay` of every config, or with `prune` (True, or "auto": where `worth_it`) in two
-    waves (sim/sweep_prune.py): each grid line's largest configuration, then those no run
-    of the first answers for. The records of an answered configuration are its answering
+def _waves(parsed, configs, cap, vmap_runs, progress, threads, info, skips, first=None):
+    """`_replay` of every config, or with `first` (indices, sweep_prune.first_wave) in two
+    waves: those, then the configurations no run of the first answers for. The records of an answered configuration are its answering
     run's, the free-block counts shifted by the difference in pool sizes. None as `_replay`."""
     run = lambda which: _replay(parsed, [configs[i] for i in which], cap, vmap_runs, progress,  # noqa: E731
                                 threads, stats=info, skips=skips, batch=len(configs))
-    first = sweep_prune.first_wave(configs) if prune else []
-    if not first or (prune == "auto" and not sweep_prune.worth_it(configs, first)):
+    if not first:
         first = list(range(len(configs)))
     info.update(pruned=0, waves=1, prune=len(first) < len(configs))
     if (out := run(first)) is None:
