@@ -43,7 +43,9 @@ from jaxsched.sim import sweep as sw
 trace, axes = json.load(open(sys.argv[1])), json.loads(sys.argv[2])
 threads, reps = int(sys.argv[3]), int(sys.argv[4])
 accepted = inspect.signature(sw.sweep).parameters
-kwargs = {k: v for k, v in dict(vmap_runs=1, threads=threads, progress=False).items() if k in accepted}
+# Every configuration run (no pruning, where the tree has it): this compares the step's cost.
+kwargs = {k: v for k, v in dict(vmap_runs=1, threads=threads, progress=False, prune=False).items()
+          if k in accepted}
 
 def once():
     stats = {}
