@@ -436,11 +436,12 @@ def _deal(count: int, total: int, shards: int) -> np.ndarray:
 
 
 def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: int, progress: bool,
-            threads: int = 1, stats: dict | None = None, skips: bool = True, batch: int | None = None):
+            threads: int = 1, stats: dict | None = None, skips: bool = True, batch: int | None = None,
+            label: str = "sweep"):
     """Run every config to the end; (records [runs, T, NUM_COLS], per_request [runs, 4, N]) or
     None when some run had more requests alive than slots. `batch` (at least the runs):
     the batch is shaped as for that many runs, the rest padding (so a wave of a pruned
-    sweep shares the whole grid's compiled chunk).
+    sweep shares the whole grid's compiled chunk). `label` names the progress bar.
 
     The runs are stacked in a batch, split into `threads` equal shards, each stepped by the
     same compiled call on its own host thread (XLA releases the GIL while it runs). Between
@@ -487,7 +488,7 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
     def join(carries):
         return carries[0] if len(carries) == 1 else jax.tree.map(lambda *xs: jnp.concatenate(xs), *carries)
 
-    with tqdm(total=runs * len(reqs), disable=not progress, desc="sweep", unit="req") as bar, \
+    with tqdm(total=runs * len(reqs), disable=not progress, desc=label, unit="req") as bar, \
             concurrent.futures.ThreadPoolExecutor(shards) as pool:
         while (done < len(reqs)).any():
             if start >= trace.max_steps:
@@ -716,12 +717,13 @@ def _waves(parsed, configs, cap, vmap_runs, progress, threads, info, skips, firs
     """`_replay` of every config, or with `first` (indices, sweep_prune.first_wave) in two
     waves: those, then the configurations no run of the first answers for. The records of an answered configuration are its answering
     run's, the free-block counts shifted by the difference in pool sizes. None as `_replay`."""
-    run = lambda which: _replay(parsed, [configs[i] for i in which], cap, vmap_runs, progress,  # noqa: E731
-                                threads, stats=info, skips=skips, batch=len(configs))
+    run = lambda which, label="sweep": _replay(  # noqa: E731
+        parsed, [configs[i] for i in which], cap, vmap_runs, progress, threads, stats=info, skips=skips,
+        batch=len(configs), label=label)
     if not first:
         first = list(range(len(configs)))
     info.update(pruned=0, waves=1, prune=len(first) < len(configs))
-    if (out := run(first)) is None:
+    if (out := run(first, "sweep" if len(first) == len(configs) else "sweep, first wave")) is None:
         return None
     if len(first) == len(configs):
         return out
@@ -733,7 +735,7 @@ def _waves(parsed, configs, cap, vmap_runs, progress, threads, info, skips, firs
     rest = [i for i in range(len(configs)) if i not in answered and i not in first]
     parts = [(first, records, per_request)]
     if rest:
-        if (out := run(rest)) is None:
+        if (out := run(rest, f"sweep, second wave ({len(answered)} answered)")) is None:
             return None
         parts.append((rest, *out))
         info.update(stepped_run_steps=stepped + info["stepped_run_steps"],
