@@ -276,7 +276,7 @@ def test_sweep__more_requests_alive_than_slots_doubles_them_or_says_so(monkeypat
 
     calls = []
 
-    def replay(trace, configs, cap, vmap_runs, progress, threads, stats=None, skips=True, batch=None):
+    def replay(trace, configs, cap, vmap_runs, progress, threads, stats=None, skips=True, **_):
         calls.append(cap["num_slots"])        # overflow until 64 slots
         if cap["num_slots"] < 64:
             return None
