@@ -32,7 +32,7 @@ from jaxsched.core.costs import reusable_blocks
 from jaxsched.core.placement import Blocks, no_pairs
 from jaxsched.core.preemption import Victims, preempted_fields, recompute_tokens, wants_swap
 from jaxsched.core.state import SchedulerState, pool_fields
-from jaxsched.core.walks import PrefixWalk, RunningInputs, _visited, _walk_tokens
+from jaxsched.core.walks import UNTRACKED, PrefixWalk, RunningInputs, _visited, _walk_tokens
 
 
 def _prefix_loop(ctx: Ctx, order, m, skip, test_need, tokens, chunkable, seqs, watermark,
@@ -59,7 +59,7 @@ def _prefix_loop(ctx: Ctx, order, m, skip, test_need, tokens, chunkable, seqs, w
     zb = jnp.zeros((g,), bool)
     _, _, ctx, served, skipped = lax.while_loop(lambda c: (c[0] < m) & ~c[1], body,
                                                 (jnp.int32(0), jnp.asarray(False), ctx, zb, zb))
-    return PrefixWalk(served, skipped, chunk, jnp.int32(-1), jnp.int32(-1)), ctx   # slack not tracked
+    return PrefixWalk(served, skipped, chunk, jnp.int32(UNTRACKED), jnp.int32(UNTRACKED)), ctx
 
 
 def _wants_swap(state, cap: Capacity, d, ctx: Ctx, g) -> jax.Array:
@@ -163,7 +163,8 @@ def _running(state, cap: Capacity, d, q, st: Step, ctx: Ctx, enabled):
 
     out, ctx, cnt = lax.cond(enabled & (m > 0), walk, skip, ctx)
     served, preempted, porder, swapped, chunk, charged = q.to_slots(1, d.is_run, *out)
-    return Running(served, preempted, porder, chunk, charged, out.preempted, cnt, jnp.int32(-1)), swapped, ctx
+    return (Running(served, preempted, porder, chunk, charged, out.preempted, cnt, jnp.int32(UNTRACKED)),
+            swapped, ctx)
 
 
 def _victims(run, swapped) -> Victims:
@@ -250,5 +251,5 @@ def general_cached(state: SchedulerState, now, cap: Capacity):
                                                        | pool_fields("host", ctx.host)).items()
                                      if k not in ("device_ref", "host_ref")})
     counts = jnp.concatenate([ctx.counts, jnp.stack([pc.num_free(dev), pc.num_free(ctx.host),
-                                                     jnp.int32(-1), jnp.int32(-1)])])   # slack not tracked
+                                                     jnp.int32(UNTRACKED), jnp.int32(UNTRACKED)])])
     return new_state, _output(d, adm, swp, run, v, ctx.pairs, counts)

@@ -20,6 +20,7 @@ from jaxsched.core.block_pool import cummin, cumsum, exclusive_cumsum, first_tru
 from jaxsched.core.state import RUNNING, SWAPPED, WAITING, SchedulerState
 
 BIG = 2**30          # a Python int: importing jaxsched must not start a JAX backend
+UNTRACKED = -1       # the slack of a walk that does not track it: as if a test failed
 
 
 class RunningWalk(NamedTuple):
@@ -158,9 +159,9 @@ def running_walk_loop(inp: RunningInputs, m: jax.Array, free: jax.Array, budget:
             jnp.zeros((g,), jnp.int32), jnp.int32(0), m == 0)
     out = lax.while_loop(cond, body, init)
     served, preempted, order, cnt = out[5], out[6], out[7], out[4]
-    # Slack is not tracked here (a forced failure is not a lack of blocks): -1, as bound.
+    # Slack is not tracked here (a forced failure is not a lack of blocks).
     return RunningWalk(served=served, preempted=preempted, preempt_order=order,
-                       chunk=chunk, charged=charged, block_slack=jnp.int32(-1)), cnt
+                       chunk=chunk, charged=charged, block_slack=jnp.int32(UNTRACKED)), cnt
 
 
 class PrefixWalk(NamedTuple):

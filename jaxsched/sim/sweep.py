@@ -729,10 +729,10 @@ def _waves(parsed, configs, cap, vmap_runs, progress, threads, info, skips, firs
         return out
     records, per_request = out
     stepped, sizes = info["stepped_run_steps"], info["shard_sizes"]
-    slack = np.stack([_least(records[j], C_BLOCK_SLACK) for j in range(len(first))])
-    seq_slack = np.stack([_least(records[j], C_SEQ_SLACK) for j in range(len(first))])
+    slack, seq_slack = np.stack([_least(rec, [C_BLOCK_SLACK, C_SEQ_SLACK]) for rec in records]).T
     answered = sweep_prune.answers(configs, first, slack, seq_slack, [r["n"] for r in parsed.requests])
-    rest = [i for i in range(len(configs)) if i not in answered and i not in first]
+    done = set(first) | set(answered)
+    rest = [i for i in range(len(configs)) if i not in done]
     parts = [(first, records, per_request)]
     if rest:
         if (out := run(rest, f"sweep, second wave ({len(answered)} answered)")) is None:
@@ -754,10 +754,10 @@ def _waves(parsed, configs, cap, vmap_runs, progress, threads, info, skips, firs
     return all_rec, all_per
 
 
-def _least(rec: np.ndarray, col: int) -> int:
-    """The least value of a slack column over a run's steps up to its last finish."""
+def _least(rec: np.ndarray, cols: list[int]) -> np.ndarray:
+    """The least value of each of these slack columns over a run's steps up to its last finish."""
     last = int(np.nonzero(rec[:, C_FINISHED])[0].max())
-    return int(rec[:last + 1, col].min())
+    return rec[:last + 1, cols].min(0)
 
 
 def _row(point, config, rec, per_request, arrival, model, slo=None, keep=False) -> dict:

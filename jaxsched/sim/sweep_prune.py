@@ -88,9 +88,10 @@ def answers(configs: list[SchedulerConfig], ran: list[int], block_slack, seq_sla
     block_slack, seq_slack = np.asarray(block_slack), np.asarray(seq_slack)
     out = {}
     for i, c in enumerate(configs):
-        if i in ran_set or _others(c) not in groups:
+        group = None if i in ran_set else groups.get(_others(c))
+        if group is None:
             continue
-        js, b, s, h, modes = groups[_others(c)]
+        js, b, s, h, modes = group
         b_ok = (b == c.num_device_blocks) | ((block_slack[js] >= 0)
                                              & (c.num_device_blocks >= b - block_slack[js]))
         lo, hi = np.minimum(s, c.max_num_seqs), np.maximum(s, c.max_num_seqs)
