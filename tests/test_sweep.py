@@ -197,11 +197,12 @@ def test_sweep__pruned_rows_equal_the_rows_of_every_run_made():
     every test against its limits with room to spare: the rows of random grids equal those
     of every run made. The grids vary device and host blocks, max_num_seqs down to 2 (the
     trace has n up to 4: requests ignored at some values), modes, watermarks and chunked
-    prefill; some configurations are answered for, and some runs made in a second wave."""
+    prefill; some configurations are answered for, some runs made in later waves, and some
+    started from another run's state at a chunk boundary (a resumed run)."""
     rng = np.random.default_rng(7)
     pick = lambda values, k: sorted(int(v) for v in rng.choice(values, k, replace=False))  # noqa: E731
     assert max(r["n"] for r in TRACE["requests"]) > 2
-    pruned = waves = 0
+    pruned = waves = resumed = 0
     for trial in range(4):
         grid = dict(num_device_blocks=pick(range(8, 33), 4), max_num_seqs=pick(range(2, 9), 2))
         grid.update([dict(preemption_mode=["recompute", "swap"]), dict(num_host_blocks=pick(range(0, 17), 2)),
@@ -215,9 +216,11 @@ def test_sweep__pruned_rows_equal_the_rows_of_every_run_made():
         assert rows == every, grid
         assert stats["prune"] and not full["prune"] and full["pruned"] == 0
         assert stats["stepped_run_steps"] <= full["stepped_run_steps"] * stats["waves"]
+        assert 1 <= stats["waves"] <= 3 and (stats["resumed"] > 0) == (stats["skipped_steps"] > 0)
         pruned += stats["pruned"]
-        waves += stats["waves"] == 2
-    assert pruned >= 8 and waves >= 2
+        waves += stats["waves"] >= 2
+        resumed += stats["resumed"]
+    assert pruned >= 8 and waves >= 3 and resumed >= 4
     with pytest.raises(SweepError, match="prune must be True, False or None"):
         sweep(TRACE, **GRID, capacity=CAPACITY, prune="yes", progress=False)
 
@@ -376,3 +379,35 @@ def test_sweep_capacity__grids_of_nearby_pool_sizes_share_one_capacity():
     assert caps[0] == caps[1] == caps[2]
     assert (caps[0]["num_device_blocks_capacity"], caps[0]["num_host_blocks_capacity"]) == (32, 16)
     assert capacity("8,33", "16")["num_device_blocks_capacity"] == 64
+
+
+def test_roots_and_resumes__a_run_answers_for_a_start_while_its_slack_lasts():
+    """The first runs are each group's largest per mode; a smaller configuration starts from
+    such a run's state at the last chunk boundary its slack covers, and never past the arrival
+    of a request one of the two ignores (n between their max_num_seqs)."""
+    from jaxsched.core.config import SchedulerConfig
+    from jaxsched.sim import sweep_prune
+
+    grid = [SchedulerConfig(num_device_blocks=b, max_num_seqs=s, preemption_mode=m)
+            for m in ("recompute", "swap") for s in (2, 8) for b in (16, 32)]
+    assert sweep_prune.roots(grid) == [3, 7]          # B=32, S=8 of each mode
+    assert sweep_prune.roots(grid[:1]) == []
+    # Requests of n=1 but one of n=4 arriving at step 20: S=2 ignores it, S=8 does not.
+    resumes = sweep_prune.Resumes(grid, request_n=[1, 1, 4], arrival_step=[0, 3, 20], chunk=8)
+    resumes.begin(runs=[3, 7], targets=[0, 1, 2, 4])
+    # Chunk 0: block slack 20 covers B=16 (32 - 20 <= 16), seq slack 6 covers S=2.
+    assert resumes.feed([0, 1], [0, 0], block=[20, 20], seq=[6, 6]) == [(0, 1)]
+    resumes.store(0, 1, "state of run 3 after chunk 0")
+    # Chunk 1: slack 10 no longer covers B=16; B=32, S=2 goes on to the arrival's boundary.
+    assert resumes.feed([0], [1], block=[10], seq=[6]) == [(0, 2)]
+    resumes.store(0, 2, "after chunk 1")
+    assert resumes.feed([0], [2], block=[10], seq=[6]) == []     # boundary 3 > 20 // 8
+    assert resumes.start(0) == (8, 3, "state of run 3 after chunk 0")
+    assert resumes.start(1) == (16, 3, "after chunk 1")
+    assert resumes.start(2) == (8, 3, "state of run 3 after chunk 0")         # S=8, B=16
+    # The modes share decisions while nothing is preempted (slack >= 0): swap, S=2, B=16 too.
+    assert resumes.start(4) == (8, 3, "state of run 3 after chunk 0")
+    # A preemption (slack < 0) parts runs of other limits or mode: no later start.
+    assert resumes.feed([1], [0], block=[-1], seq=[6]) == []
+    resumes.drop([0, 1, 2, 4])
+    assert resumes.start(0) is None and resumes.snaps == {}

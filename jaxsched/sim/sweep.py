@@ -44,10 +44,13 @@ process, and `jaxsched sweep` turns on the persistent compilation cache across p
 
 Not every configuration needs a run of its own (`prune`, sim/sweep_prune.py): each step
 reports how much its block and max_num_seqs tests had to spare, so a run whose tests all
-passed with room answers exactly for the configurations within that room. On the map path
-(the CPU default) each grid line's largest configuration runs first, and only the
-configurations none of them answers for run after it, in a second wave of the same batch
-shape.
+passed with room answers exactly for the configurations within that room, and a run whose
+tests passed with room up to some step answers for the start of theirs. On the map path (the
+CPU default) the runs go in up to three waves of the same batch shape: the largest
+configuration of each group and mode, then each grid line's largest, then the
+configurations no run made answers for; a run of a later wave resumes from the state of a
+run made before, at the last chunk boundary up to which that run's decisions are its own
+(`sweep_chunk` takes a first step per run), so it steps only the rest.
 
 Request slots are a static size too. A sweep starts with a modest number of slots and, if
 some run ever has more requests alive than slots, doubles them and starts over (one more
@@ -74,10 +77,12 @@ from jaxsched.core import batching
 from jaxsched.core.config import PREEMPT_RECOMPUTE, PREEMPT_SWAP, SchedulerConfig
 from jaxsched.core.costs import PreemptionCosts
 from jaxsched.core.requests import RequestBatch
+from jaxsched.core.walks import BIG
 from jaxsched.sim import sweep_prune
 from jaxsched.sim.capacity import longest_sequence, needed_capacity, pow2, replay_capacity
 from jaxsched.sim.simulate import CHUNK_STEPS, replay_step
-from jaxsched.core.state import EMPTY, FINISHED, IGNORED, empty_state, stacked_limits
+from jaxsched.core.state import (EMPTY, FINISHED, IGNORED, LIMIT_FIELDS, empty_state, layout,
+                                 stacked_limits)
 from jaxsched.sim.trace import Trace, TraceError, parse_trace
 # "auto" is the cost-based mode (the trace config's preemption_costs, else the default
 # costs); vLLM's default (None: recompute one sequence, swap more) is "default" or "none".
@@ -307,40 +312,43 @@ _EXECUTABLES: dict = {}
 
 @functools.partial(jax.jit, static_argnames=("cap", "width", "vmap_runs", "skips"), donate_argnums=(0,))
 def sweep_chunk(carry, cols, arrival_time, tokens, start, times, cap, width, vmap_runs, skips=True):
-    """Steps start.. start+K-1 (K = len(times)) of every run of the batch.
+    """Steps start[r] .. start[r]+K-1 of every run r of the batch (K = times.shape[1]).
 
     `carry` is (state, per_request) with a leading run axis; returns it and the records
-    int32[runs, K, NUM_COLS]. The trace (`cols`, `arrival_time`, `tokens`) and times are shared.
+    int32[runs, K, NUM_COLS]. The trace (`cols`, `arrival_time`, `tokens`) is shared; each
+    run has its own first step (int32[runs]) and times (float32[runs, K]), since a run may
+    start from another's state (sweep_prune.Resumes).
     `vmap_runs` = 1: a `lax.map` over runs, each run's skips its own (a drained run skips
     the chunk). Else `jax.vmap` over groups of `vmap_runs` runs (a `lax.map` over the
     groups when that is fewer than all), traced under `batching.runs_axis`: every skip is
     decided once for the group, so the work is done when some run of the group needs it;
     with `skips` False, never skipped (masks only: `batching.runs_axis`).
     """
-    steps = start + jnp.arange(times.shape[0], dtype=jnp.int32)
+    k = times.shape[1]
     # Inside the chunk the state is stored one leaf per field: a step's writes then touch
     # only the fields they change, not a copy of the packed state (of every run, under vmap).
     carry = (carry[0].per_field(), carry[1])
 
-    def chunk(c):
-        return lax.scan(lambda c, x: _step(c, x, cols, arrival_time, tokens, cap, width), c, (steps, times))
+    def chunk(c, first, when):
+        steps = first + jnp.arange(k, dtype=jnp.int32)
+        return lax.scan(lambda c, x: _step(c, x, cols, arrival_time, tokens, cap, width), c, (steps, when))
 
     # Records of a drained run are not read past its end: skipping its chunk changes nothing.
-    idle = lambda c: (c, jnp.zeros((times.shape[0], NUM_COLS), jnp.int32))   # noqa: E731
+    idle = lambda c, first, when: (c, jnp.zeros((k, NUM_COLS), jnp.int32))   # noqa: E731
     drained = lambda c: (c[1][0] >= 0).all()                                 # noqa: E731
     repack = lambda c, rec: ((c[0].per_field(False), c[1]), rec)             # noqa: E731
     if vmap_runs == 1:
-        return repack(*lax.map(lambda c: lax.cond(drained(c), idle, chunk, c), carry))
+        return repack(*lax.map(lambda a: lax.cond(drained(a[0]), idle, chunk, *a), (carry, start, times)))
 
-    def one(c):
+    def one(c, first, when):
         with batching.runs_axis(RUNS, skips):
-            return batching.cond(~drained(c), chunk, idle, c, same=True)
+            return batching.cond(~drained(c), chunk, idle, c, first, when, same=True)
     many = jax.vmap(one, axis_name=RUNS)
     runs = carry[1].shape[0]
     if vmap_runs >= runs:
-        return repack(*many(carry))
-    groups = jax.tree.map(lambda x: x.reshape(runs // vmap_runs, vmap_runs, *x.shape[1:]), carry)
-    groups, rec = lax.map(many, groups)
+        return repack(*many(carry, start, times))
+    args = jax.tree.map(lambda x: x.reshape(runs // vmap_runs, vmap_runs, *x.shape[1:]), (carry, start, times))
+    groups, rec = lax.map(lambda a: many(*a), args)
     flat = lambda x: x.reshape(runs, *x.shape[2:])                           # noqa: E731
     return repack(jax.tree.map(flat, groups), flat(rec))
 
@@ -426,22 +434,57 @@ def _shard_size(live: int, first: int, shards: int, vmap_runs: int) -> tuple[int
     return size, group
 
 
-def _deal(count: int, total: int, shards: int) -> np.ndarray:
+def _deal(count: int, total: int, shards: int, work=None) -> np.ndarray:
     """The item at each of `total` positions (-1: padding) for `count` items: shard i (the
     i-th run of `total // shards` positions) gets items i, i + shards, ...: neighbours in the
     grid cost alike, so dealing them out evens the shards' work (a chunk waits for the
-    slowest shard)."""
-    deal = np.argsort(np.arange(total) % shards, kind="stable")
-    return np.where(deal < count, deal, -1)
+    slowest shard). With `work` (an estimate per item), the most work first, each to the
+    shard with the least so far (runs that start late cost less)."""
+    if work is None or shards == 1:
+        deal = np.argsort(np.arange(total) % shards, kind="stable")
+        return np.where(deal < count, deal, -1)
+    per = total // shards
+    load, filled = np.zeros(shards), [[] for _ in range(shards)]
+    for item in np.argsort(-np.asarray(work, float), kind="stable"):
+        shard = min((k for k in range(shards) if len(filled[k]) < per), key=lambda k: load[k])
+        filled[shard].append(item)
+        load[shard] += work[item]
+    return np.concatenate([np.array(f + [-1] * (per - len(f)), np.int64) for f in filled])
+
+
+@dataclasses.dataclass
+class Start:
+    """Where a run starts other than empty: at `step` (a chunk boundary), from `state` (the
+    packed state's leaves and per_request rows, host arrays, of a run whose decisions are
+    this run's up to there; its limits are replaced), with `finished` requests done, the last
+    at step `last`."""
+    step: int
+    state: tuple
+    finished: int
+    last: int
+
+
+def _limit_columns(dims: tuple) -> dict[int, np.ndarray]:
+    """{leaf: the columns of a packed state's leaf that hold the limits}."""
+    lay, out = layout(dims), {}
+    for name in LIMIT_FIELDS:
+        leaf, offset, shape = lay[name]
+        out.setdefault(leaf, []).append(np.arange(offset, offset + math.prod(shape)))
+    return {leaf: np.concatenate(cols) for leaf, cols in out.items()}
 
 
 def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: int, progress: bool,
             threads: int = 1, stats: dict | None = None, skips: bool = True, batch: int | None = None,
-            label: str = "sweep"):
+            label: str = "sweep", starts: dict | None = None, watch=None, work=None):
     """Run every config to the end; (records [runs, T, NUM_COLS], per_request [runs, 4, N]) or
     None when some run had more requests alive than slots. `batch` (at least the runs):
     the batch is shaped as for that many runs, the rest padding (so a wave of a pruned
     sweep shares the whole grid's compiled chunk). `label` names the progress bar.
+    `starts` ({run: Start}): runs that start from another's state; their records before
+    the start are left zero. `watch(runs, chunks, records, read)` is called after each chunk
+    with the runs that stepped, the global index of the chunk each made, their records, and
+    `read(runs)`, which returns their states now (host arrays, as Start.state). `work`:
+    each run's steps to make, estimated, to even the shards' work (`_deal`).
 
     The runs are stacked in a batch, split into `threads` equal shards, each stepped by the
     same compiled call on its own host thread (XLA releases the GIL while it runs). Between
@@ -454,18 +497,27 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
     from tqdm.auto import tqdm
 
     stats = {} if stats is None else stats
+    starts = starts or {}
     cap_config = dataclasses.replace(configs[0], **cap)
     reqs, runs = trace.requests, len(configs)
     positions = max(runs, batch or 0)
     shards = max(1, min(threads, positions))
     size, group = _shard_size(positions, positions, shards, vmap_runs)
-    ids = _deal(runs, size * shards, shards)       # the run at each position (-1: padding)
+    ids = _deal(runs, size * shards, shards, work)  # the run at each position (-1: padding)
     limits = stacked_limits([configs[r if r >= 0 else runs - 1] for r in ids])
     # A padding run starts drained (every request has a finish step): lax.map skips it.
     per_request = np.full((len(ids), 4, len(reqs)), -1, np.int32)
     per_request[ids < 0] = 0
     args = (limits, per_request, np.int32(cap_config.seed), np.int32(cap_config.artificial_preemption_count))
     carries = _compiled(first_batch, args, dict(capacity=cap_config.capacity(), shards=shards), stats)(*args)
+    done, last = np.zeros(runs, np.int64), np.zeros(runs, np.int64)
+    # The step each position's next chunk starts at, less the chunks made since the start.
+    offset = np.zeros(len(ids), np.int64)
+    if starts:
+        carries = _started(carries, ids, size, starts, stats)
+        for pos in np.nonzero(ids >= 0)[0]:
+            if (s := starts.get(int(ids[pos]))) is not None:
+                offset[pos], done[ids[pos]], last[ids[pos]] = s.step, s.finished, s.last
     steps = np.array([r["arrival_step"] for r in reqs])
     order = np.argsort(steps, kind="stable")
     cols = np.array([[r[k] for r in reqs] for k in ("arrival_step", "prompt_len", "n", "max_tokens")])
@@ -477,10 +529,11 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
     tokens = jax.device_put(np.stack([trace.prompt_token_ids(int(i), tok_width) for i in order])
                             if tok_width else np.zeros((len(reqs), 0), np.int32))
     width = pow2(max(8, np.bincount(steps).max()))
-    done, last, chunks, start = np.zeros(runs, np.int64), np.zeros(runs, np.int64), [], 0
+    chunks: list[np.ndarray] = []                  # global chunk index -> records of every run
     final = np.zeros((runs, 4, len(reqs)), np.int32)
     capacity = cap_config.capacity()
-    sizes, stepped = [size], 0
+    sizes, stepped, made = [size], 0, 0
+    K = CHUNK_STEPS
 
     def split(batch):
         return [jax.tree.map(lambda x: x[i * size:(i + 1) * size], batch) for i in range(shards)]
@@ -488,32 +541,57 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
     def join(carries):
         return carries[0] if len(carries) == 1 else jax.tree.map(lambda *xs: jnp.concatenate(xs), *carries)
 
+    def read(which):
+        """The states of runs `which` now: (packed leaves, per_request), host arrays, one per run."""
+        where = {int(r): p for p, r in enumerate(ids) if r >= 0}
+        pos = np.array([where[int(r)] for r in which])
+        out = [None] * len(pos)
+        for shard in np.unique(pos // size):
+            mine = np.nonzero(pos // size == shard)[0]
+            state, per = _rows(carries[shard], pos[mine] % size, stats)
+            for k, i in enumerate(mine):
+                out[i] = (tuple(leaf[k] for leaf in state.data), per[k])
+        return out
+
     with tqdm(total=runs * len(reqs), disable=not progress, desc=label, unit="req") as bar, \
             concurrent.futures.ThreadPoolExecutor(shards) as pool:
+        bar.update(int(done.sum()))
         while (done < len(reqs)).any():
-            if start >= trace.max_steps:
+            real = ids >= 0
+            live = real & (done[np.maximum(ids, 0)] < len(reqs))
+            first_steps = offset + made * K
+            if (first_steps[live] >= trace.max_steps).all():
                 break
-            times = jnp.asarray(np.arange(start, start + CHUNK_STEPS, dtype=np.float32) * trace.step_time)
-            first = jnp.int32(start)
-            exe = _executable((carries[0], cols, arrival_time, tokens, first, times), capacity, width,
-                              group, stats, skips=skips)
-            advance = lambda c: exe(c, cols, arrival_time, tokens, first, times)   # noqa: E731
-            out = [advance(carries[0])] if shards == 1 else list(pool.map(advance, carries))
+            times = ((first_steps[:, None] + np.arange(K)).astype(np.float32) * trace.step_time)
+            first = first_steps.astype(np.int32)
+            exe = _executable((carries[0], cols, arrival_time, tokens, first[:size], times[:size]), capacity,
+                              width, group, stats, skips=skips)
+            advance = lambda i: exe(carries[i], cols, arrival_time, tokens,   # noqa: E731
+                                    first[i * size:(i + 1) * size], times[i * size:(i + 1) * size])
+            out = [advance(0)] if shards == 1 else list(pool.map(advance, range(shards)))
             carries = [c for c, _ in out]
             rec = np.concatenate([np.asarray(r) for _, r in out])
-            stepped += rec.shape[0] * CHUNK_STEPS
-            real = ids >= 0
+            stepped += rec.shape[0] * K
             if rec[real][:, :, C_OVERFLOW].any():
                 return None
-            full = np.zeros((runs, CHUNK_STEPS, NUM_COLS), np.int32)
-            full[ids[real]] = rec[real]
-            chunks.append(full)
-            new = full[:, :, C_FINISHED].sum(1)
+            at = first_steps // K                  # each position's global chunk index
+            while len(chunks) <= at[real].max():
+                chunks.append(np.zeros((runs, K, NUM_COLS), np.int32))
+            for g in np.unique(at[real]):
+                here = real & (at == g)
+                chunks[g][ids[here]] = rec[here]
+            new = np.zeros(runs, np.int64)
+            new[ids[real]] = rec[real][:, :, C_FINISHED].sum(1)
+            from_end = np.zeros(runs, np.int64)
+            from_end[ids[real]] = np.argmax(rec[real][:, ::-1, C_FINISHED] > 0, axis=1)
+            run_first = np.zeros(runs, np.int64)
+            run_first[ids[real]] = first_steps[real]
             done += new
-            from_end = np.argmax(full[:, ::-1, C_FINISHED] > 0, axis=1)
-            last = np.where(new > 0, start + CHUNK_STEPS - 1 - from_end, last)
+            last = np.where(new > 0, run_first + K - 1 - from_end, last)
             bar.update(int(new.sum()))
-            start += CHUNK_STEPS
+            if watch is not None and live.any():
+                watch(ids[live], at[live], rec[live], read)
+            made += 1
             live = np.nonzero(real & (done[np.maximum(ids, 0)] < len(reqs)))[0]
             new_size, new_group = _shard_size(len(live), positions, shards, vmap_runs)
             # Compaction (vmap only: a lax.map skips a drained run's chunk for free), once the
@@ -527,7 +605,7 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
                 src = np.where(items >= 0, live[np.maximum(items, 0)], pad)
                 take = jnp.asarray(src)
                 batch = jax.tree.map(lambda x: jnp.take(x, take, axis=0), batch)
-                ids = np.where(items >= 0, ids[src], -1)
+                ids, offset = np.where(items >= 0, ids[src], -1), offset[src]
                 size, group = new_size, new_group
                 sizes.append(size)
                 carries = split(batch)
@@ -539,6 +617,55 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
     real = ids >= 0
     final[ids[real]] = kept[real]
     return np.concatenate(chunks, axis=1), final
+
+
+@jax.jit
+def _take_rows(carry, index):
+    return jax.tree.map(lambda x: jnp.take(x, index, axis=0, mode="clip"), carry)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _put_rows(carry, index, rows):
+    return jax.tree.map(lambda x, r: x.at[index].set(r, mode="drop"), carry, rows)
+
+
+def _bucket(index: np.ndarray, pad: int) -> np.ndarray:
+    """`index` padded with `pad` to a power of two (at least 8): a few shapes, a few compiles."""
+    return np.concatenate([index, np.full(pow2(max(8, len(index))) - len(index), pad)]).astype(np.int32)
+
+
+def _rows(carry, index: np.ndarray, stats: dict):
+    """Rows `index` of a carry (state, per_request), on the host."""
+    args = (carry, _bucket(index, 0))
+    got = _compiled(_take_rows, args, {}, stats)(*args)
+    return jax.tree.map(lambda x: np.asarray(x)[:len(index)], got)
+
+
+def _started(carries, ids, size, starts: dict, stats: dict):
+    """The first carries with the runs of `starts` put at their start states, each run's own
+    limits kept (the packed columns `_limit_columns`)."""
+    out = []
+    for shard, carry in enumerate(carries):
+        mine = [(p, starts[int(ids[shard * size + p])]) for p in range(size)
+                if ids[shard * size + p] >= 0 and int(ids[shard * size + p]) in starts]
+        if not mine:
+            out.append(carry)
+            continue
+        local = np.array([p for p, _ in mine])
+        fresh, _ = _rows(carry, local, stats)
+        keep = _limit_columns(carry[0].dims)
+        data = []
+        for k, leaf in enumerate(fresh.data):
+            rows = np.stack([s.state[0][k] for _, s in mine])
+            if k in keep:
+                rows[:, keep[k]] = leaf[:, keep[k]]
+            data.append(rows)
+        index = _bucket(local, size)
+        pad = lambda x: np.concatenate([x, np.zeros((len(index) - len(x),) + x.shape[1:], x.dtype)])  # noqa: E731
+        rows = (carry[0].replace(data=[pad(x) for x in data]), pad(np.stack([s.state[1] for _, s in mine])))
+        args = (carry, index, rows)
+        out.append(_compiled(_put_rows, args, {}, stats)(*args))
+    return out
 
 
 def _unfinished(trace, configs, bad):
@@ -591,9 +718,10 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
     `jaxsched sweep` sets) runs a sweep about 13% faster (`xla_flags.SWEEP_GPU_FLAGS`).
     `threads` splits the runs into that many shards stepped in parallel on host threads
     (default: one per CPU core on the CPU backend, else 1); results do not depend on it.
-    `prune`: run each grid line's largest configuration first, and not run the
-    configurations whose rows one of those runs gives exactly (sim/sweep_prune.py: every
-    test against their limits would come out the same); rows do not depend on it. None
+    `prune`: run each grid line's largest configuration first, not run the configurations
+    whose rows one of those runs gives exactly (sim/sweep_prune.py: every test against their
+    limits would come out the same), and start the others from the state of a run made
+    before, as late as its decisions are theirs; rows do not depend on it. None
     (default): where it saves time, by measurement (benchmarks/results/sweep.md): on the
     lax.map path, where a run not made is time saved, when the first wave is at most half
     the grid (`sweep_prune.worth_it`); not vmapped, where a batch costs about the same with
@@ -613,8 +741,9 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
     one per capacity and batch shape), run_steps (the steps of all runs to drain), path ("vmap" or
     "map"), threads, vmap_group, shard_sizes (runs per shard, shrinking as runs drain),
     stepped_run_steps (run-steps computed, padding included), num_slots, prune (did it run
-    a first wave of the grid's lines), waves (1 or 2) and pruned (configurations answered
-    for without a run of their own).
+    in waves), waves (1 to 3), pruned (configurations answered for without a run of their
+    own), resumed (runs started from another run's state) and skipped_steps (the steps
+    those runs did not make).
     """
     if not isinstance(trace, dict) or "config" not in trace:
         raise SweepError("sweep: the trace must be a dict with 'config' and 'requests'")
@@ -714,50 +843,106 @@ def _sweep_replay(parsed, configs, cap, capacity, vmap_runs, progress, threads, 
 
 
 def _waves(parsed, configs, cap, vmap_runs, progress, threads, info, skips, first=None):
-    """`_replay` of every config, or with `first` (indices, sweep_prune.first_wave) in two
-    waves: those, then the configurations no run of the first answers for. The records of an answered configuration are its answering
-    run's, the free-block counts shifted by the difference in pool sizes. None as `_replay`."""
-    run = lambda which, label="sweep": _replay(  # noqa: E731
+    """`_replay` of every config, or with `first` (indices, sweep_prune.first_wave) in waves
+    (sweep_prune): the roots, the rest of `first`, then the configurations no run made
+    answers for; each run of a wave starts from the state of a run made before, as late as
+    that run's decisions are its own (sweep_prune.Resumes). The records of an answered
+    configuration are its answering run's, and a run's records before its start those of
+    the run it started from, shifted (`_shifted`). None as `_replay`."""
+    run = lambda which, label, **kw: _replay(  # noqa: E731
         parsed, [configs[i] for i in which], cap, vmap_runs, progress, threads, stats=info, skips=skips,
-        batch=len(configs), label=label)
-    if not first:
-        first = list(range(len(configs)))
-    info.update(pruned=0, waves=1, prune=len(first) < len(configs))
-    if (out := run(first, "sweep" if len(first) == len(configs) else "sweep, first wave")) is None:
-        return None
-    if len(first) == len(configs):
-        return out
-    records, per_request = out
-    stepped, sizes = info["stepped_run_steps"], info["shard_sizes"]
-    slack, seq_slack = np.stack([_least(rec, [C_BLOCK_SLACK, C_SEQ_SLACK]) for rec in records]).T
-    answered = sweep_prune.answers(configs, first, slack, seq_slack, [r["n"] for r in parsed.requests])
-    done = set(first) | set(answered)
-    rest = [i for i in range(len(configs)) if i not in done]
-    parts = [(first, records, per_request)]
-    if rest:
-        if (out := run(rest, f"sweep, second wave ({len(answered)} answered)")) is None:
+        batch=len(configs), label=label, **kw)
+    info.update(pruned=0, waves=1, prune=bool(first) and len(first) < len(configs), resumed=0, skipped_steps=0)
+    if not info["prune"]:
+        return run(list(range(len(configs))), "sweep")
+    request_n = [r["n"] for r in parsed.requests]
+    resumes = sweep_prune.Resumes(configs, request_n, [r["arrival_step"] for r in parsed.requests], CHUNK_STEPS)
+    roots = sweep_prune.roots(configs)
+    records: dict[int, np.ndarray] = {}
+    per_request: dict[int, np.ndarray] = {}
+    answered: dict[int, int] = {}
+    stepped, sizes, waves = 0, [], 0
+    for wave in (roots, first, range(len(configs))):
+        which = [i for i in wave if i not in records and i not in answered]
+        if not which:
+            continue
+        waves += 1
+        starts, prefix, slack = {}, {}, {}
+        for k, i in enumerate(which):
+            if (begin := resumes.start(i)) is None:
+                continue
+            step, j, state = begin
+            prefix[i] = _shifted(records[j][:step], configs[i], configs[j])
+            finished = prefix[i][:, C_FINISHED]
+            starts[k] = Start(step, state, int(finished.sum()),
+                              int(np.nonzero(finished)[0].max()) if finished.any() else 0)
+            slack[i] = tuple(prefix[i][:, [C_BLOCK_SLACK, C_SEQ_SLACK]].min(0))
+        targets = [i for i in range(len(configs)) if i not in records and i not in answered and i not in which]
+        resumes.begin(which, targets, slack)
+
+        def watch(ran, chunks, rec, read):
+            wanted = resumes.feed(ran, chunks, rec[:, :, C_BLOCK_SLACK].min(1), rec[:, :, C_SEQ_SLACK].min(1))
+            for (col, boundary), state in zip(wanted, read([col for col, _ in wanted])):
+                resumes.store(col, boundary, state)
+        label = "sweep" + (f", wave {waves}" + (f" ({len(answered)} answered)" if answered else ""))
+        # A run's steps to make, estimated: those of the run it starts from after its start.
+        longest = max((_length(r) for r in records.values()), default=parsed.max_steps)
+        work = [_length(records[resumes.best[i][1]]) - starts[k].step if k in starts else longest
+                for k, i in enumerate(which)]
+        if (out := run(which, label, starts=starts, watch=watch, work=work)) is None:
             return None
-        parts.append((rest, *out))
-        info.update(stepped_run_steps=stepped + info["stepped_run_steps"],
-                    shard_sizes=sizes + info["shard_sizes"], waves=2)
-    steps = max(rec.shape[1] for _, rec, _ in parts)
+        stepped, sizes = stepped + info["stepped_run_steps"], sizes + info["shard_sizes"]
+        for k, i in enumerate(which):
+            rec = out[0][k]
+            if i in prefix:
+                rec = rec.copy()
+                rec[:len(prefix[i])] = prefix[i]
+                info["skipped_steps"] += len(prefix[i])
+            records[i], per_request[i] = rec, out[1][k]
+        info["resumed"] += len(starts)
+        resumes.drop(which)
+        ran = sorted(records)
+        slack_all, seq_all = np.stack([_least(records[i], [C_BLOCK_SLACK, C_SEQ_SLACK]) for i in ran]).T
+        new = {i: ran[j] for i, j in sweep_prune.answers(configs, ran, slack_all, seq_all, request_n).items()
+               if i not in answered}
+        answered.update(new)
+        resumes.drop(new)
+    info.update(stepped_run_steps=stepped, shard_sizes=sizes, waves=waves, pruned=len(answered))
+    steps = max(rec.shape[0] for rec in records.values())
     all_rec = np.zeros((len(configs), steps, NUM_COLS), np.int32)
-    all_per = np.zeros((len(configs),) + per_request.shape[1:], np.int32)
-    for which, rec, per in parts:
-        all_rec[which, :rec.shape[1]], all_per[which] = rec, per
+    all_per = np.zeros((len(configs),) + next(iter(per_request.values())).shape, np.int32)
+    for i, rec in records.items():
+        all_rec[i, :len(rec)], all_per[i] = rec, per_request[i]
     for i, j in answered.items():
-        mine, theirs = configs[i], configs[first[j]]
-        all_rec[i], all_per[i] = all_rec[first[j]], per_request[j]
+        mine, theirs = configs[i], configs[j]
+        all_rec[i], all_per[i] = all_rec[j], per_request[j]
         all_rec[i, :, C_FREE_DEVICE] += mine.num_device_blocks - theirs.num_device_blocks
         all_rec[i, :, C_FREE_HOST] += mine.num_host_blocks - theirs.num_host_blocks
-    info["pruned"] = len(answered)
     return all_rec, all_per
 
 
+def _shifted(rec: np.ndarray, mine: SchedulerConfig, theirs: SchedulerConfig) -> np.ndarray:
+    """Records of a run with limits `theirs` as the records of `mine` where the decisions are
+    the same: free blocks shifted by the pool sizes, slack by the limits (the block slack by
+    at most the least change of any test's threshold: a lower bound, as slack may be)."""
+    out = rec.copy()
+    db = mine.num_device_blocks - theirs.num_device_blocks
+    out[:, C_FREE_DEVICE] += db
+    out[:, C_FREE_HOST] += mine.num_host_blocks - theirs.num_host_blocks
+    block_shift = db - max(0, mine.watermark_blocks - theirs.watermark_blocks)
+    for col, shift in ((C_BLOCK_SLACK, block_shift), (C_SEQ_SLACK, mine.max_num_seqs - theirs.max_num_seqs)):
+        out[:, col] = np.where(rec[:, col] >= BIG, rec[:, col], rec[:, col] + shift)
+    return out
+
+
+def _length(rec: np.ndarray) -> int:
+    """A run's steps: up to its last finish."""
+    return int(np.nonzero(rec[:, C_FINISHED])[0].max()) + 1
+
+
 def _least(rec: np.ndarray, cols: list[int]) -> np.ndarray:
-    """The least value of each of these slack columns over a run's steps up to its last finish."""
-    last = int(np.nonzero(rec[:, C_FINISHED])[0].max())
-    return rec[:last + 1, cols].min(0)
+    """The least value of each of these slack columns over a run's steps."""
+    return rec[:_length(rec), cols].min(0)
 
 
 def _row(point, config, rec, per_request, arrival, model, slo=None, keep=False) -> dict:

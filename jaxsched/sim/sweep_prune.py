@@ -17,8 +17,17 @@ counts shifted by the difference in pool sizes.
 Which runs to make first: every grid line's largest configuration (the largest B of each
 (S, mode, host blocks), the largest S of each (B, mode, host blocks), other limits equal),
 as the one most likely to spare. Its answers save the runs below it; the rest run in a
-second wave. Both waves step batches of the whole grid's shape (the runs of a wave and
+later wave. Every wave steps batches of the whole grid's shape (the runs of a wave and
 drained padding), so they share one compiled chunk.
+
+A run that does not answer for a configuration all the way may still answer for the start:
+its decisions are the configuration's up to the first step whose tests would come out
+otherwise. The configuration's own run then starts from the answering run's state at the
+last chunk boundary before that step (`Resumes`): the blocks it holds are the same ids
+(allocation hands out the lowest free ids, and it never held more than the smaller pool),
+so the state is the configuration's own but for its limits. So the runs go in three waves:
+the largest configuration of each group of comparable ones and mode (`roots`), then the
+lines' largest, then the rest, each run starting as late as a run made before it allows.
 
 Off under prefix caching (its evictions depend on B) and artificial preemption, where the
 scheduler does not track slack.
@@ -63,6 +72,22 @@ def first_wave(configs: list[SchedulerConfig]) -> list[int]:
     return sorted({best[1] for count, best in top.values() if count > 1})
 
 
+def roots(configs: list[SchedulerConfig]) -> list[int]:
+    """Indices of the runs to make before any other: of each group of configurations that
+    may answer for one another (all but ANSWERED equal), of more than one, the largest
+    (num_device_blocks, then max_num_seqs, then num_host_blocks) of each preemption mode.
+    Every other of the group can start from one's state for as long as its tests have
+    room; the modes' runs part at their first preemption, and run side by side."""
+    count: dict = {}
+    top: dict = {}
+    for i, c in enumerate(configs):
+        count[_others(c)] = count.get(_others(c), 0) + 1
+        size, key = (c.num_device_blocks, c.max_num_seqs, c.num_host_blocks), (_others(c), c.preemption_mode)
+        if key not in top or top[key][0] < size:
+            top[key] = (size, i)
+    return sorted(i for (rest, _), (_, i) in top.items() if count[rest] > 1)
+
+
 def worth_it(configs: list[SchedulerConfig], first: list[int]) -> bool:
     """Is a second wave likely to save time? Only if the first is at most half the grid: a
     wave costs its longest shard's runs, so a first wave of most of the grid leaves too few
@@ -104,3 +129,102 @@ def answers(configs: list[SchedulerConfig], ran: list[int], block_slack, seq_sla
         if ok.any():
             out[i] = int(js[np.argmax(ok)])
     return out
+
+
+class Resumes:
+    """Where each configuration not yet run can start: the latest chunk boundary of a run
+    made before it up to which that run's decisions are its own, and that run's state there.
+
+    A run's decisions are a configuration's through a chunk when every step of it passes
+    the test of `answers` against the configuration's limits: so a pair stays good through
+    chunk after chunk while the chunk's least slack allows, and stops at the arrival of the
+    first request one of the two ignores (its n between their max_num_seqs). The host feeds
+    each chunk's least slack of the runs being made (`feed`), keeps the state of a run at a
+    boundary while it is some configuration's best start (`store`), and hands it out when
+    that configuration's run begins (`start`).
+    """
+
+    def __init__(self, configs: list[SchedulerConfig], request_n, arrival_step, chunk: int):
+        field = lambda name: np.array([getattr(c, name) for c in configs], np.int64)  # noqa: E731
+        self.blocks, self.seqs, self.host = field("num_device_blocks"), field("max_num_seqs"), field("num_host_blocks")
+        self.watermark = field("watermark_blocks")
+        kinds: dict = {}
+        self.mode = np.array([kinds.setdefault(c.preemption_mode, len(kinds)) for c in configs])
+        groups: dict = {}
+        self.group = np.array([groups.setdefault(_others(c), len(groups)) for c in configs])
+        self.chunk = chunk
+        n, arrival = np.asarray(request_n), np.asarray(arrival_step)
+        # The chunk boundaries a pair of max_num_seqs values share: up to the first arrival of
+        # a request ignored at one and not the other.
+        values = np.unique(self.seqs)
+        lo, hi = np.minimum.outer(values, values), np.maximum.outer(values, values)
+        between = (n[None, None, :] > lo[..., None]) & (n[None, None, :] <= hi[..., None])
+        shared = np.where(between, arrival[None, None, :], np.iinfo(np.int64).max).min(-1, initial=np.iinfo(np.int64).max)
+        self._shared = np.where(lo == hi, np.inf, shared // chunk)     # [value, value] -> boundary
+        self._value = {int(v): i for i, v in enumerate(values)}
+        self.best: dict[int, tuple[int, int]] = {}      # configuration -> (boundary, run)
+        self.snaps: dict[tuple[int, int], tuple] = {}    # (run, boundary) -> its state there
+
+    def begin(self, runs, targets, prefix_slack=None):
+        """A wave of `runs` (configuration indices) starts; `targets`, the configurations
+        not yet made, may start from them. `prefix_slack`: {run: (block, seq)}, the least
+        slack of the steps a run starts with (from the run it starts from)."""
+        self.runs, self.targets = np.asarray(runs, np.int64), np.asarray(targets, np.int64)
+        t, r = self.targets[:, None], self.runs[None, :]
+        self.good = self.group[t] == self.group[r]
+        index = np.vectorize(self._value.get, otypes=[np.int64])
+        seq_t = index(self.seqs[self.targets]) if len(targets) else np.zeros(0, np.int64)
+        self.last = self._shared[seq_t[:, None], index(self.seqs[self.runs])[None, :]]
+        for j, (block, seq) in (prefix_slack or {}).items():
+            col = int(np.nonzero(self.runs == j)[0][0])
+            self._through(np.array([col]), np.array([block]), np.array([seq]))
+
+    def _through(self, cols, block, seq):
+        """Pairs (target, run cols) that stay good through a chunk of these least slacks."""
+        t, r = self.targets[:, None], self.runs[cols][None, :]
+        b, s = block[None, :], seq[None, :]
+        ok = (((self.blocks[t] == self.blocks[r]) | ((b >= 0) & (self.blocks[t] >= self.blocks[r] - b)))
+              & ((self.seqs[t] == self.seqs[r]) | ((s >= 0) & (self.seqs[t] >= self.seqs[r] - s)))
+              & (((self.mode[t] == self.mode[r]) & (self.host[t] == self.host[r])) | (b >= 0)))
+        self.good[:, cols] &= ok
+        return self.good[:, cols]
+
+    def feed(self, cols, chunks, block, seq) -> list[tuple[int, int]]:
+        """Runs `self.runs[cols]` made their chunks `chunks` (global indices) with these least
+        slacks. Returns the (column, boundary) whose state some target now starts from best:
+        the caller reads them and calls `store`."""
+        if not len(self.targets) or not len(cols):
+            return []
+        good = self._through(np.asarray(cols), np.asarray(block), np.asarray(seq))
+        boundary = np.asarray(chunks) + 1
+        at = np.where(good & (boundary[None, :] <= self.last[:, cols]), boundary[None, :], 0)
+        pick, reach = at.argmax(1), at.max(1)
+        wanted = set()
+        for i, target in enumerate(self.targets):
+            if reach[i] > self.best.get(int(target), (0, -1))[0]:
+                run = int(self.runs[cols[pick[i]]])
+                self.best[int(target)] = (int(reach[i]), run)
+                wanted.add((int(cols[pick[i]]), int(reach[i])))
+        return sorted(wanted)
+
+    def store(self, col: int, boundary: int, state) -> None:
+        """The state (any host value) of run column `col` at chunk `boundary`; the states no
+        target starts from any more are dropped."""
+        self.snaps[(int(self.runs[col]), boundary)] = state
+        keep = {(run, b) for b, run in self.best.values()}
+        for key in [k for k in self.snaps if k not in keep]:
+            del self.snaps[key]
+
+    def start(self, target: int):
+        """(first step, run it starts from, the stored state) of `target`, or None."""
+        if target not in self.best:
+            return None
+        boundary, run = self.best[target]
+        return boundary * self.chunk, run, self.snaps[(run, boundary)]
+
+    def drop(self, done) -> None:
+        """Configurations run or answered for: their starts are not needed."""
+        for target in done:
+            self.best.pop(int(target), None)
+        keep = {(run, b) for b, run in self.best.values()}
+        self.snaps = {k: v for k, v in self.snaps.items() if k in keep}
