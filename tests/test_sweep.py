@@ -271,6 +271,13 @@ def test_cli_sweep__prune_or_not_gives_the_same_rows(tmp_path, capsys):
     # By default a first wave of 10 of the 16 is not worth it (sweep_prune.worth_it).
     assert ": 16 runs\n" in outputs[1] and ": 16 runs\n" in outputs[2]
     assert len({(tmp_path / str(i) / "sweep.json").read_text() for i in range(3)}) == 1
+    # Smaller pools: none answered for, two runs start from another's state; the same rows.
+    argv[argv.index("--num-device-blocks") + 1] = "8,12,20,32"
+    for i, extra in enumerate((["--prune"], ["--no-prune"]), start=3):
+        assert run_cli(argv + extra + ["-o", str(tmp_path / str(i))]) == 0
+        outputs.append(capsys.readouterr().out)
+    assert ": 16 runs (2 resumed from another run's state)\n" in outputs[3] and ": 16 runs\n" in outputs[4]
+    assert (tmp_path / "3" / "sweep.json").read_text() == (tmp_path / "4" / "sweep.json").read_text()
 
 
 def test_sweep__more_requests_alive_than_slots_doubles_them_or_says_so(monkeypatch):

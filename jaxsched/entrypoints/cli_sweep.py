@@ -96,9 +96,10 @@ def register(subparsers) -> None:
       help="a vmapped batch computes every branch for every run and masks it instead of skipping "
            "what no run needs (no conditionals; slower on the CPU and on an H200, see README)")
     s("--prune", action=argparse.BooleanOptionalAction, default=None,
-      help="run each grid line's largest configuration first and not the configurations whose "
-           "rows it gives exactly; rows are the same either way (default: on CPU, when the first "
-           "wave is at most half the grid)")
+      help="run each grid line's largest configuration first, not the configurations whose "
+           "rows it gives exactly, and the rest from another run's state while its decisions are "
+           "theirs; rows are the same either way (default: on CPU, when the first wave is at most "
+           "half the grid)")
     s("--gpu-memory-utilization", metavar="SPEC", help="sweep axis in memory units, e.g. 0.5:0.9:0.1: "
       "the device's share that the weights, working memory and KV cache may use (needs --model)")
     s("--swap-space", metavar="SPEC", help="sweep axis, GiB of host swap per device, e.g. 1,4,16 (needs --model)")
@@ -324,8 +325,10 @@ def cmd_sweep(args) -> int:
         return 1
     fields = ("enable_prefix_caching",) + SWEEP_FIELDS[:2] + MEMORY_FIELDS + SWEEP_FIELDS[2:]
     columns = [c for c in fields if c in rows[0]] + [c for c in TABLE_COLUMNS if c in rows[0]]
-    answered = f" ({stats['pruned']} answered by another run)" if stats.get("pruned") else ""
-    print(f"swept {args.trace}: {len(rows)} runs{answered}")
+    saved = [f"{stats[k]} {what}" for k, what in (("pruned", "answered by another run"),
+                                                   ("resumed", "resumed from another run's state"))
+             if stats.get(k)]
+    print(f"swept {args.trace}: {len(rows)} runs" + (f" ({'; '.join(saved)})" if saved else ""))
     print(markdown_table(rows, columns))
     if args.min_goodput is not None:
         pick = pick_smallest(rows, args.min_goodput)
