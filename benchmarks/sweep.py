@@ -15,7 +15,8 @@ prompts of ~60 and outputs of ~25 tokens, 20% of requests with n in 2..4), swept
                  static capacity (one compile, listed apart); --sample of them timed
   sweep map:     `jaxsched.sim.sweep`, a `lax.map` over runs, one shard per CPU core on host
                  threads (the CPU default), pruned: configurations whose rows a run of a larger
-                 one gives exactly are not run (sim/sweep_prune.py; `timed` says how many ran);
+                 one gives exactly are not run, and runs resume from the state of an earlier
+                 run while its decisions are theirs (sim/sweep_prune.py; `timed` says how many);
                  cost per run-step is over the whole grid's run-steps, as for every path
   no pruning:    the same, every configuration run to the end (--paths map-all); its rows
                  must equal the pruned sweep's
@@ -128,7 +129,8 @@ def one_size(trace, size, paths, sample, vmap_chunks, full_vmap_up_to, simulate_
     if "map" in paths or jax.default_backend() == "cpu":
         rows, st = time_sweep(trace, axes, 1, threads)
         if "map" in paths:
-            ran = f"{size - st['pruned']} of {size} configurations run" if st["prune"] else "all runs"
+            ran = (f"{size - st['pruned']} of {size} configurations run, {st['resumed']} resumed "
+                   f"({st['skipped_steps']} steps not made)" if st["prune"] else "all runs")
             out.append(entry(size, f"sweep map, {threads} threads", st["run_s"], st["compile_s"],
                              st["run_steps"], ran))
     if "map-all" in paths:

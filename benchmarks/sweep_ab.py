@@ -1,6 +1,6 @@
 """Interleaved A/B of the map sweep: a git revision ("before") against the working tree ("after").
 
-    python benchmarks/sweep_ab.py --before REV [--size 64] [--threads 2] [--rounds 3] [--reps 3]
+    python benchmarks/sweep_ab.py --before REV [--size 64] [--threads 2] [--rounds 3] [--reps 3] [--prune]
 
 Both trees sweep the same 500-request trace and grid as `benchmarks/sweep.py --sizes SIZE`
 (the trace is generated once, by this tree, and handed to both as JSON), each in its own
@@ -10,7 +10,8 @@ once, then times --reps more runs; the rounds alternate which tree goes first, s
 the machine's load lands on both. Each tree's rows (steps and preemptions per configuration)
 must be equal. The table gives cost per run-step (wall / run-steps, compile apart), best and
 median, compile time and the optimized program's HLO instruction count where the tree keeps
-its executables where this script can find them.
+its executables where this script can find them. Every configuration is run (the step's cost),
+or with --prune each tree's pruned sweep (what pruning saves; run-steps are the whole grid's).
 
 Results go to benchmarks/results/sweep_ab_<rev>_<size>x<threads>t.{md,json}.
 """
@@ -29,7 +30,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
 RESULTS = HERE / "results"
 
-# Runs inside each tree's own process: argv is trace.json, axes (JSON), threads, reps.
+# Runs inside each tree's own process: argv is trace.json, axes (JSON), threads, reps, prune.
 DRIVER = r"""
 import inspect, json, os, sys, time
 try:
@@ -41,10 +42,10 @@ import jaxsched
 from jaxsched.sim import sweep as sw
 
 trace, axes = json.load(open(sys.argv[1])), json.loads(sys.argv[2])
-threads, reps = int(sys.argv[3]), int(sys.argv[4])
+threads, reps, prune = int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"
 accepted = inspect.signature(sw.sweep).parameters
-# Every configuration run (no pruning, where the tree has it): this compares the step's cost.
-kwargs = {k: v for k, v in dict(vmap_runs=1, threads=threads, progress=False, prune=False).items()
+# Every configuration run (no pruning, where the tree has it) compares the step's cost.
+kwargs = {k: v for k, v in dict(vmap_runs=1, threads=threads, progress=False, prune=prune).items()
           if k in accepted}
 
 def once():
@@ -74,11 +75,11 @@ def export(rev: str, into: pathlib.Path) -> None:
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
 
 
-def measure(tree: pathlib.Path, trace_path, axes, threads, reps) -> dict:
+def measure(tree: pathlib.Path, trace_path, axes, threads, reps, prune=False) -> dict:
     env = dict(os.environ, PYTHONPATH=str(tree), JAXSCHED_COMPILATION_CACHE_DIR="off")
     env.pop("XLA_FLAGS", None)
     out = subprocess.run([sys.executable, "-c", DRIVER, str(trace_path), json.dumps(axes), str(threads),
-                          str(reps)], env=env, cwd=tree, check=True, capture_output=True, text=True)
+                          str(reps), "1" if prune else "0"], env=env, cwd=tree, check=True, capture_output=True, text=True)
     got = json.loads(out.stdout.strip().splitlines()[-1])
     if not pathlib.Path(got["package"]).resolve().is_relative_to(tree.resolve()):
         raise SystemExit(f"{tree}: imported jaxsched from {got['package']}, not from the tree")
@@ -92,6 +93,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="host threads of the map sweep")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=3, help="timed runs per process, after a compiling one")
+    ap.add_argument("--prune", action="store_true", help="time each tree's pruned sweep, not every run")
     args = ap.parse_args()
     rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", args.before], check=True,
                          capture_output=True, text=True).stdout.strip()
@@ -112,7 +114,7 @@ def main() -> None:
         for r in range(args.rounds):
             order = list(trees) if r % 2 == 0 else list(trees)[::-1]
             for name in order:
-                runs[name].append(measure(trees[name], trace_path, axes, args.threads, args.reps))
+                runs[name].append(measure(trees[name], trace_path, axes, args.threads, args.reps, args.prune))
                 print(f"round {r + 1} {name}: " + " ".join(f"{u:.1f}" for u in runs[name][-1]["us"])
                       + " us per run-step", flush=True)
     rows = {name: [run["rows"] for run in got] for name, got in runs.items()}
@@ -132,10 +134,12 @@ def main() -> None:
     env = dict(machine=platform.machine(), cpus=os.cpu_count(), load_before=load_before,
                load_after=os.getloadavg()[0])
     fmt = lambda x, spec: "-" if x is None else format(x, spec)
-    lines = [f"# {args.size}-configuration map sweep: {rev} (before) against the working tree (after)", "",
+    pruned = ", pruned" if args.prune else ""
+    lines = [f"# {args.size}-configuration map sweep{pruned}: {rev} (before) against the working tree (after)", "",
              f"`python benchmarks/sweep_ab.py --before {args.before} --size {args.size} --threads "
-             f"{args.threads} --rounds {args.rounds} --reps {args.reps}`: the trace and grid of "
-             f"`benchmarks/sweep.py --sizes {args.size}`, `sweep(..., vmap_runs=1, threads={args.threads})`, "
+             f"{args.threads} --rounds {args.rounds} --reps {args.reps}{' --prune' if args.prune else ''}`: "
+             f"the trace and grid of `benchmarks/sweep.py --sizes {args.size}`, "
+             f"`sweep(..., vmap_runs=1, threads={args.threads}, prune={args.prune})`, "
              f"{args.reps} timed runs per process after a compiling one, trees alternating first. "
              f"Both trees' rows are equal. {env['machine']}, {env['cpus']} CPUs, 1-minute load average "
              f"{env['load_before']:.1f} before, {env['load_after']:.1f} after.", "",
@@ -149,10 +153,10 @@ def main() -> None:
     lines += ["", f"after / before: best {a['best_us'] / b['best_us']:.2f}x, "
                   f"median {a['median_us'] / b['median_us']:.2f}x.", ""]
     RESULTS.mkdir(exist_ok=True)
-    name = f"sweep_ab_{rev}_{args.size}x{args.threads}t"
+    name = f"sweep_ab_{rev}_{args.size}x{args.threads}t" + ("_pruned" if args.prune else "")
     (RESULTS / f"{name}.md").write_text("\n".join(lines))
     (RESULTS / f"{name}.json").write_text(json.dumps(
-        dict(before=args.before, rev=rev, size=args.size, threads=args.threads, environment=env,
+        dict(before=args.before, rev=rev, size=args.size, threads=args.threads, prune=args.prune, environment=env,
              trees=table), indent=1))
     print("\n".join(lines))
     print(f"wrote {RESULTS}/{name}.md, .json")
