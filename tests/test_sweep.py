@@ -225,6 +225,17 @@ def test_sweep__pruned_rows_equal_the_rows_of_every_run_made():
         sweep(TRACE, **GRID, capacity=CAPACITY, prune="yes", progress=False)
 
 
+def test_sweep__vmapped_runs_resume_from_another_runs_state_too(vmapped):
+    """prune=True on the vmap path: runs that start late share a batch with runs that start
+    at step 0 (per-run first steps and clocks under jax.vmap); rows equal every run's."""
+    rows, _ = vmapped
+    stats = {}
+    pruned = sweep(TRACE, **GRID, capacity=CAPACITY, vmap_runs=16, threads=2, progress=False,
+                   prune=True, stats=stats)
+    assert stats["path"] == "vmap" and stats["waves"] == 3 and stats["resumed"] > 0
+    assert pruned == rows
+
+
 def test_cli_sweep__prints_a_table_and_writes_csv_json_and_plots(tmp_path, capsys):
     path = tmp_path / "trace.json"
     path.write_text(json.dumps(TRACE))
