@@ -914,10 +914,7 @@ def _waves(parsed, configs, cap, vmap_runs, progress, threads, info, skips, firs
     for i, rec in records.items():
         all_rec[i, :len(rec)], all_per[i] = rec, per_request[i]
     for i, j in answered.items():
-        mine, theirs = configs[i], configs[j]
-        all_rec[i], all_per[i] = all_rec[j], per_request[j]
-        all_rec[i, :, C_FREE_DEVICE] += mine.num_device_blocks - theirs.num_device_blocks
-        all_rec[i, :, C_FREE_HOST] += mine.num_host_blocks - theirs.num_host_blocks
+        all_rec[i], all_per[i] = _shifted(all_rec[j], configs[i], configs[j]), per_request[j]
     return all_rec, all_per
 
 

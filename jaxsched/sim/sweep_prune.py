@@ -97,6 +97,16 @@ def worth_it(configs: list[SchedulerConfig], first: list[int]) -> bool:
     return 0 < len(first) <= len(configs) // 2
 
 
+def _tests_agree(blocks, seqs, run_blocks, run_seqs, same_pool, block_slack, seq_slack):
+    """Would every block and sequence test of a run at (run_blocks, run_seqs), with this least
+    slack, come out the same at (blocks, seqs)? `same_pool`: the same preemption mode and host
+    pool, which matter only once a block test fails. Not checked here: that both ignore the
+    same requests (n between the two max_num_seqs)."""
+    return (((blocks == run_blocks) | ((block_slack >= 0) & (blocks >= run_blocks - block_slack)))
+            & ((seqs == run_seqs) | ((seq_slack >= 0) & (seqs >= run_seqs - seq_slack)))
+            & (same_pool | (block_slack >= 0)))
+
+
 def answers(configs: list[SchedulerConfig], ran: list[int], block_slack, seq_slack,
             request_n) -> dict[int, int]:
     """{configuration index: index into `ran`} for the configurations not in `ran` that a
@@ -118,15 +128,12 @@ def answers(configs: list[SchedulerConfig], ran: list[int], block_slack, seq_sla
         if group is None:
             continue
         js, b, s, h, modes = group
-        b_ok = (b == c.num_device_blocks) | ((block_slack[js] >= 0)
-                                             & (c.num_device_blocks >= b - block_slack[js]))
         lo, hi = np.minimum(s, c.max_num_seqs), np.maximum(s, c.max_num_seqs)
         # Requests with lo < n <= hi are ignored at one S and not at the other.
         same_ignored = np.searchsorted(n_values, hi, "right") == np.searchsorted(n_values, lo, "right")
-        s_ok = (s == c.max_num_seqs) | ((seq_slack[js] >= 0) & (c.max_num_seqs >= s - seq_slack[js])
-                                        & same_ignored)
-        same_mode = np.array([m == c.preemption_mode for m in modes]) & (h == c.num_host_blocks)
-        ok = b_ok & s_ok & (same_mode | (block_slack[js] >= 0))
+        same_pool = np.array([m == c.preemption_mode for m in modes]) & (h == c.num_host_blocks)
+        ok = same_ignored & _tests_agree(c.num_device_blocks, c.max_num_seqs, b, s, same_pool,
+                                         block_slack[js], seq_slack[js])
         if ok.any():
             out[i] = int(js[np.argmax(ok)])
     return out
@@ -148,7 +155,6 @@ class Resumes:
     def __init__(self, configs: list[SchedulerConfig], request_n, arrival_step, chunk: int):
         field = lambda name: np.array([getattr(c, name) for c in configs], np.int64)  # noqa: E731
         self.blocks, self.seqs, self.host = field("num_device_blocks"), field("max_num_seqs"), field("num_host_blocks")
-        self.watermark = field("watermark_blocks")
         kinds: dict = {}
         self.mode = np.array([kinds.setdefault(c.preemption_mode, len(kinds)) for c in configs])
         groups: dict = {}
@@ -183,11 +189,9 @@ class Resumes:
     def _through(self, cols, block, seq):
         """Pairs (target, run cols) that stay good through a chunk of these least slacks."""
         t, r = self.targets[:, None], self.runs[cols][None, :]
-        b, s = block[None, :], seq[None, :]
-        ok = (((self.blocks[t] == self.blocks[r]) | ((b >= 0) & (self.blocks[t] >= self.blocks[r] - b)))
-              & ((self.seqs[t] == self.seqs[r]) | ((s >= 0) & (self.seqs[t] >= self.seqs[r] - s)))
-              & (((self.mode[t] == self.mode[r]) & (self.host[t] == self.host[r])) | (b >= 0)))
-        self.good[:, cols] &= ok
+        same_pool = (self.mode[t] == self.mode[r]) & (self.host[t] == self.host[r])
+        self.good[:, cols] &= _tests_agree(self.blocks[t], self.seqs[t], self.blocks[r], self.seqs[r],
+                                           same_pool, block[None, :], seq[None, :])
         return self.good[:, cols]
 
     def feed(self, cols, chunks, block, seq) -> list[tuple[int, int]]:
@@ -212,9 +216,7 @@ class Resumes:
         """The state (any host value) of run column `col` at chunk `boundary`; the states no
         target starts from any more are dropped."""
         self.snaps[(int(self.runs[col]), boundary)] = state
-        keep = {(run, b) for b, run in self.best.values()}
-        for key in [k for k in self.snaps if k not in keep]:
-            del self.snaps[key]
+        self._forget()
 
     def start(self, target: int):
         """(first step, run it starts from, the stored state) of `target`, or None."""
@@ -227,5 +229,9 @@ class Resumes:
         """Configurations run or answered for: their starts are not needed."""
         for target in done:
             self.best.pop(int(target), None)
+        self._forget()
+
+    def _forget(self) -> None:
+        """Drop the stored states that are no configuration's best start."""
         keep = {(run, b) for b, run in self.best.values()}
         self.snaps = {k: v for k, v in self.snaps.items() if k in keep}
