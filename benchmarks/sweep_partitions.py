@@ -13,8 +13,10 @@ caches: once as usual, once by a process limited to one CPU (which compiles no s
 processes with every CPU then load either executable from its cache and run the 500-request
 trace and grid of `benchmarks/sweep.py` (--configs configurations, lax.map path, --threads
 threads, every configuration run: no pruning), the two interleaved for --rounds rounds of
---repeats sweeps each. The process that compiled on one CPU is timed too (one core, one
-thread's worth). Results: benchmarks/results/sweep_partitions.{json,md}.
+--repeats sweeps each. Then the cores themselves: one process limited to one CPU sweeps with
+one thread, alone and then beside a second such process on the other CPU (the two cores run
+two programs at once at full speed, which the map path's two threads in one process do not).
+Results: benchmarks/results/sweep_partitions.{json,md}.
 """
 from __future__ import annotations
 
@@ -56,13 +58,24 @@ print(json.dumps(out))
 """
 
 
-def run(path, axes, threads: int, repeats: int, cache: pathlib.Path, one_cpu: bool = False) -> dict:
+def start(path, axes, threads: int, repeats: int, cache: pathlib.Path, cpu: int | None = None):
+    """A worker process sweeping the grid `repeats` times; `cpu`: limited to that one CPU."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    first = min(os.sched_getaffinity(0))
-    got = subprocess.run([sys.executable, "-c", WORKER, str(path), json.dumps(axes), str(threads),
-                          str(repeats), str(cache)], env=env, check=True, capture_output=True, text=True,
-                         preexec_fn=(lambda: os.sched_setaffinity(0, {first})) if one_cpu else None)
-    return json.loads(got.stdout.strip().splitlines()[-1])
+    return subprocess.Popen([sys.executable, "-c", WORKER, str(path), json.dumps(axes), str(threads),
+                             str(repeats), str(cache)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=None if cpu is None else (lambda: os.sched_setaffinity(0, {cpu})))
+
+
+def result(proc) -> dict:
+    out, err = proc.communicate()
+    if proc.returncode:
+        raise SystemExit(f"worker failed:\n{err[-2000:]}")
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def run(*args, **kwargs) -> dict:
+    return result(start(*args, **kwargs))
 
 
 def main() -> None:
@@ -82,8 +95,12 @@ def main() -> None:
         path = tmp / "trace.json"
         path.write_text(json.dumps(generate_trace(**TRACE)))
         caches = {"split (as compiled)": tmp / "split", "no split (compiled on one CPU)": tmp / "whole"}
-        one_core = run(path, axes, args.threads, args.repeats, caches["no split (compiled on one CPU)"], True)
+        cpus = sorted(os.sched_getaffinity(0))
+        run(path, axes, args.threads, 1, caches["no split (compiled on one CPU)"], cpus[0])
         first = {name: run(path, axes, args.threads, 1, cache) for name, cache in caches.items()}
+        # One thread per process, one CPU each: alone, then two at once on two CPUs.
+        one_core = run(path, axes, 1, args.repeats, tmp / "single", cpus[0])
+        pair = [result(p) for p in [start(path, axes, 1, args.repeats, tmp / "single", cpu) for cpu in cpus[:2]]]
         samples = {name: [] for name in caches}
         for rnd in range(args.rounds):
             for name, cache in caches.items():
@@ -95,17 +112,24 @@ def main() -> None:
     rows = [dict(executable=name, cpus=os.cpu_count(), split_fusions=first[name]["split_fusions"],
                  us_per_run_step_median=statistics.median(s), us_per_run_step_min=min(s),
                  samples=[round(x, 1) for x in s]) for name, s in samples.items()]
-    rows.append(dict(executable="no split, process on one CPU", cpus=1, split_fusions=one_core["split_fusions"],
-                     us_per_run_step_median=statistics.median(one_core["us_per_run_step"]),
-                     us_per_run_step_min=min(one_core["us_per_run_step"]),
-                     samples=[round(x, 1) for x in one_core["us_per_run_step"]]))
+    single = [("one process on one CPU, one thread", 1, one_core["us_per_run_step"])]
+    if len(pair) == 2:
+        # Two processes at once: the pair's cost per run-step is that of each, halved.
+        single.append(("two such processes at once, one CPU each (the pair)", 2,
+                       [1 / (1 / a + 1 / b) for a, b in zip(pair[0]["us_per_run_step"], pair[1]["us_per_run_step"])]))
+        single.append(("each process of the pair", 1, pair[0]["us_per_run_step"] + pair[1]["us_per_run_step"]))
+    for name, cpus_used, s in single:
+        rows.append(dict(executable=name, cpus=cpus_used, split_fusions=one_core["split_fusions"],
+                         us_per_run_step_median=statistics.median(s), us_per_run_step_min=min(s),
+                         samples=[round(x, 1) for x in s]))
     base = rows[0]["us_per_run_step_median"]
     lines = [f"# XLA:CPU intra-op splits in the threaded sweep: {args.configs} configurations, "
              f"{args.threads} threads ({platform.machine()}, {os.cpu_count()} CPUs)", "",
              f"`python benchmarks/sweep_partitions.py --configs {args.configs} --threads {args.threads} "
              f"--rounds {args.rounds} --repeats {args.repeats}`: the map path, no pruning, the chunk "
              f"compiled as usual or by a process on one CPU (no fusion split), loaded from a persistent "
-             f"cache by fresh processes, interleaved. Cost per run-step, compile apart. 1-minute load "
+             f"cache by fresh processes, interleaved; then one-thread processes limited to one CPU each, "
+             f"alone and two at once. Cost per run-step, compile apart. 1-minute load "
              f"average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after; "
              f"{time.perf_counter() - began:.0f} s in all.", "",
              "| executable | CPUs | split fusions | us/run-step (median) | min | vs split | samples |",
