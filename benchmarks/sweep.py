@@ -20,6 +20,11 @@ prompts of ~60 and outputs of ~25 tokens, 20% of requests with n in 2..4), swept
                  cost per run-step is over the whole grid's run-steps, as for every path
   no pruning:    the same, every configuration run to the end (--paths map-all); its rows
                  must equal the pruned sweep's
+  worker procs:  the pruned map sweep with its shards stepped by worker processes pinned to
+                 one CPU each instead of threads (`sweep(workers=True)`, the default from 512
+                 configurations; --paths map-workers); the workers start once, before the
+                 timings, and each sweep ships its compiled chunk to them (timed); a fresh
+                 process's start-up is in the end-to-end table
   sweep vmap:    `jax.vmap` over all runs of a shard (vmap_runs=N), drained runs compacted
                  away; skips decided once for the batch (`skips`) or none at all, every branch
                  masked (`no skips`: --paths vmap-noskip; `vmap` takes the backend's default);
@@ -58,6 +63,7 @@ import jax  # noqa: E402
 
 from jaxsched import simulate  # noqa: E402
 from jaxsched.entrypoints.cli_sweep import markdown_table, plot_results  # noqa: E402
+from jaxsched.sim import sweep_workers  # noqa: E402
 from jaxsched.sim.reference import simulate_reference  # noqa: E402
 from jaxsched.sim.sweep import (CHUNK_STEPS, default_threads, default_vmap_skips, make_grid,
                                 parse_values, sweep, sweep_capacity)  # noqa: E402
@@ -103,13 +109,13 @@ def entry(size, method, run_s, compile_s, run_steps, note):
                 run_steps_per_s=run_steps / run_s, us_per_run_step=run_s / run_steps * 1e6, timed=note)
 
 
-def time_sweep(trace, axes, vmap_runs, threads, max_steps=None, vmap_skips=None, prune=None):
+def time_sweep(trace, axes, vmap_runs, threads, max_steps=None, vmap_skips=None, prune=None, workers=False):
     stats = {}
     if max_steps is not None:
         trace = dict(trace, config=dict(trace["config"], max_steps=max_steps))
     try:
         rows = sweep(trace, **axes, vmap_runs=vmap_runs, threads=threads, progress=False, stats=stats,
-                     vmap_skips=vmap_skips, prune=prune)
+                     vmap_skips=vmap_skips, prune=prune, workers=workers)
     except RuntimeError:
         if max_steps is None:
             raise
@@ -133,6 +139,15 @@ def one_size(trace, size, paths, sample, vmap_chunks, full_vmap_up_to, simulate_
                    f"({st['skipped_steps']} steps not made)" if st["prune"] else "all runs")
             out.append(entry(size, f"sweep map, {threads} threads", st["run_s"], st["compile_s"],
                              st["run_steps"], ran))
+    if "map-workers" in paths and jax.default_backend() == "cpu" and threads > 1 and sweep_workers.available():
+        sweep_workers.start_pool(threads)       # once, untimed: see fresh_starts for a cold start
+        wrows, st = time_sweep(trace, axes, 1, threads, workers=True)
+        assert rows is None or wrows == rows, "worker processes changed a row"
+        rows = rows or wrows
+        ran = (f"{size - st['pruned']} of {size} configurations run, {st['resumed']} resumed"
+               if st["prune"] else "all runs")
+        out.append(entry(size, f"sweep map, {threads} worker processes", st["run_s"], st["compile_s"],
+                         st["run_steps"], ran + "; the chunk shipped to the workers included"))
     if "map-all" in paths:
         every, st = time_sweep(trace, axes, 1, threads, prune=False)
         assert rows is None or every == rows, "pruning changed a row"
@@ -208,9 +223,31 @@ from jaxsched.sim.sweep import default_threads, sweep
 enable_compilation_cache(sys.argv[3])
 stats = {}
 sweep(json.load(open(sys.argv[1])), **json.loads(sys.argv[2]), vmap_runs=1, threads=default_threads(),
-      progress=False, stats=stats)
-print(json.dumps(dict(compile_s=stats["compile_s"], run_s=stats["run_s"])))
+      progress=False, stats=stats, **json.loads(sys.argv[4]) if len(sys.argv) > 4 else {})
+print(json.dumps(dict(compile_s=stats["compile_s"], run_s=stats["run_s"], wall_s=stats["wall_s"])))
 """
+
+
+def fresh_starts(trace, sizes) -> list:
+    """Threads against worker processes in fresh processes, end to end (start-up included),
+    the persistent cache warm (filled by a first process, not timed)."""
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = pathlib.Path(tmp) / "trace.json"
+        path.write_text(json.dumps(trace))
+        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+        for size in sizes:
+            for i, workers in enumerate((None, False, True)):
+                t0 = time.perf_counter()
+                got = subprocess.run([sys.executable, "-c", START, str(path), json.dumps(grid(size)),
+                                      str(pathlib.Path(tmp) / "xla"), json.dumps(dict(workers=workers))],
+                                     env=env, check=True, capture_output=True, text=True)
+                if i:
+                    r = json.loads(got.stdout.strip().splitlines()[-1])
+                    out.append(dict(configs=size, shards_on="worker processes" if workers else "threads",
+                                    process_s=time.perf_counter() - t0, sweep_s=r["wall_s"],
+                                    compile_s=r["compile_s"], run_s=r["run_s"]))
+    return out
 
 
 def compile_starts(trace, size: int = 64) -> list:
@@ -252,8 +289,9 @@ def plot(table, path, backend):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="16,64,256,1024", help="grid sizes (multiples of 8)")
-    ap.add_argument("--paths", default="map,map-all,vmap",
-                    help="sweep paths: map (the CPU default: pruned), map-all (every configuration run), "
+    ap.add_argument("--paths", default="map,map-workers,map-all,vmap",
+                    help="sweep paths: map (pruned, on threads), map-workers (pruned, on worker processes), "
+                         "map-all (every configuration run), "
                          "vmap (one thread), vmap-threads (vmap, a shard per core), "
                          "vmap-skip and vmap-noskip (one thread, skips forced on or off)")
     ap.add_argument("--sample", type=int, default=8, help="python-loop and simulate runs timed per size")
@@ -282,6 +320,10 @@ def main() -> None:
     starts = compile_starts(trace) if 64 in sizes and "map" in paths else []
     if starts:
         print(markdown_table(starts, list(starts[0])), flush=True)
+    fresh = (fresh_starts(trace, [s for s in sizes if s >= 256]) if "map-workers" in paths
+             and jax.default_backend() == "cpu" and sweep_workers.available() else [])
+    if fresh:
+        print(markdown_table(fresh, list(fresh[0])), flush=True)
     env = dict(backend=jax.default_backend(), device=jax.devices()[0].device_kind, jax=jax.__version__,
                machine=platform.machine(),
                cpus=os.cpu_count(), threads=default_threads(), load_before=load_before,
@@ -318,6 +360,11 @@ def main() -> None:
                   "Fresh processes, one shared cache directory, empty before the first; compile_s is the "
                   "sweep's (tracing, lowering, and XLA or the cache).", "",
                   markdown_table(starts, list(starts[0])), ""]
+    if fresh:
+        lines += ["## Threads or worker processes, end to end (fresh processes, warm persistent cache)", "",
+                  "Each a fresh process running the pruned map sweep once: process_s from its start to its "
+                  "exit, sweep_s the sweep's wall (worker start-up is in run_s).", "",
+                  markdown_table(fresh, list(fresh[0])), ""]
     if rows64:
         lines += ["## The 64-configuration grid, per configuration", "",
                   markdown_table(rows64, list(rows64[0])), ""]
@@ -328,7 +375,7 @@ def main() -> None:
     trace_params = {k: dataclasses.asdict(v) if isinstance(v, LogNormal) else v for k, v in TRACE.items()}
     (results / f"{name}.json").write_text(json.dumps(
         dict(trace=trace_params, sizes=sizes, environment=env, methods=table, compile_starts=starts,
-             rows_64=rows64), indent=1))
+             fresh_starts=fresh, rows_64=rows64), indent=1))
     plot(table, results / f"{name}_scaling.png", f"{env['backend']}: {env['device']}")
     if rows64 and name == "sweep":
         plot_results(rows64, results, "sweep")

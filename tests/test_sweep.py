@@ -10,6 +10,9 @@ import argparse
 import csv
 import itertools
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -17,6 +20,7 @@ import pytest
 from jaxsched import simulate, summarize
 from jaxsched.entrypoints.cli_sweep import register
 from jaxsched.core.costs import PreemptionCosts
+from jaxsched.sim import sweep_workers
 from jaxsched.sim.sweep import SweepError, sweep
 from jaxsched.sim.workload import LogNormal, StepTimeModel, generate_trace
 
@@ -225,6 +229,63 @@ def test_sweep__pruned_rows_equal_the_rows_of_every_run_made():
         sweep(TRACE, **GRID, capacity=CAPACITY, prune="yes", progress=False)
 
 
+workers_only = pytest.mark.skipif(not sweep_workers.available(),
+                                  reason="worker processes need two CPUs and os.sched_setaffinity")
+
+
+@workers_only
+def test_sweep__worker_processes_give_the_threads_rows_and_a_dead_one_is_replaced(vmapped):
+    """Shards stepped by worker processes, one pinned to each CPU: the rows of the threads,
+    every run made or pruned in waves (resumed runs read their start states from a worker).
+    A worker that dies fails the sweep with one clear error; the next sweep starts anew."""
+    rows, _ = vmapped
+    stats, pruned = {}, {}
+    every = sweep(TRACE, **GRID, capacity=CAPACITY, vmap_runs=1, threads=2, progress=False, prune=False,
+                  workers=True, stats=stats)
+    assert stats["workers"] == 2 and every == rows
+    waved = sweep(TRACE, **GRID, capacity=CAPACITY, vmap_runs=1, threads=2, progress=False, prune=True,
+                  workers=True, stats=pruned)
+    assert pruned["workers"] == 2 and pruned["waves"] == 3 and pruned["resumed"] > 0 and waved == rows
+    dead = sweep_workers.pool(2)[0]
+    dead.proc.kill()
+    dead.proc.wait()
+    with pytest.raises(sweep_workers.WorkerError, match="sweep worker on CPU .* exited .* during advance"):
+        dead.call("advance", None, None)
+    assert sweep(TRACE, **GRID, capacity=CAPACITY, vmap_runs=1, threads=2, progress=False,
+                 workers=True) == rows
+    assert dead not in sweep_workers.pool(2)
+    with pytest.raises(SweepError, match="workers must be True, False or None"):
+        sweep(TRACE, **GRID, capacity=CAPACITY, workers="yes", progress=False)
+
+
+@workers_only
+def test_sweep__workers_compile_the_chunk_through_the_persistent_cache(tmp_path):
+    """With JAX's persistent compilation cache on, workers compile the chunk through it (an
+    executable the cache gave cannot be shipped: it serializes without its code). Two fresh
+    processes with one cache: the second takes the chunk from it, and both give the rows of
+    threads."""
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(TRACE))
+    script = (
+        "import json, sys\n"
+        "from jaxsched.entrypoints.compilation_cache import enable_compilation_cache\n"
+        "enable_compilation_cache(sys.argv[2])\n"
+        "from jaxsched.sim.sweep import sweep\n"
+        f"kw = dict(capacity={CAPACITY!r}, vmap_runs=1, threads=2, progress=False, prune=False)\n"
+        f"grid = {GRID!r}\n"
+        "trace = json.load(open(sys.argv[1]))\n"
+        "stats = {}\n"
+        "rows = sweep(trace, **grid, **kw, workers=True, stats=stats)\n"
+        "assert stats['workers'] == 2\n"
+        "assert rows == sweep(trace, **grid, **kw, workers=False)\n"
+        "print('ok', stats['xla_s'])\n")
+    env = {k: v for k, v in os.environ.items() if k != "JAXSCHED_COMPILATION_CACHE_DIR"}
+    for _ in range(2):
+        got = subprocess.run([sys.executable, "-c", script, str(path), str(tmp_path / "cache")],
+                             capture_output=True, text=True, env=env, timeout=300)
+        assert got.returncode == 0 and got.stdout.startswith("ok"), got.stderr[-3000:]
+
+
 def test_sweep__vmapped_runs_resume_from_another_runs_state_too(vmapped):
     """prune=True on the vmap path: runs that start late share a batch with runs that start
     at step 0 (per-run first steps and clocks under jax.vmap); rows equal every run's."""
@@ -289,6 +350,9 @@ def test_cli_sweep__prune_or_not_gives_the_same_rows(tmp_path, capsys):
         outputs.append(capsys.readouterr().out)
     assert ": 16 runs (2 resumed from another run's state)\n" in outputs[3] and ": 16 runs\n" in outputs[4]
     assert (tmp_path / "3" / "sweep.json").read_text() == (tmp_path / "4" / "sweep.json").read_text()
+    if sweep_workers.available():           # --workers: the shards on worker processes, the same rows
+        assert run_cli(argv + ["--prune", "--workers", "-o", str(tmp_path / "5")]) == 0
+        assert (tmp_path / "5" / "sweep.json").read_text() == (tmp_path / "3" / "sweep.json").read_text()
 
 
 def test_sweep__more_requests_alive_than_slots_doubles_them_or_says_so(monkeypatch):

@@ -100,6 +100,10 @@ def register(subparsers) -> None:
            "rows it gives exactly, and the rest from another run's state while its decisions are "
            "theirs; rows are the same either way (default: on CPU, when the first wave is at most "
            "half the grid)")
+    s("--workers", action=argparse.BooleanOptionalAction, default=None,
+      help="step the shards in worker processes, one pinned to each CPU, instead of threads "
+           "(CPU, lax.map path, Linux); rows are the same either way (default: for grids of "
+           "512 configurations or more)")
     s("--gpu-memory-utilization", metavar="SPEC", help="sweep axis in memory units, e.g. 0.5:0.9:0.1: "
       "the device's share that the weights, working memory and KV cache may use (needs --model)")
     s("--swap-space", metavar="SPEC", help="sweep axis, GiB of host swap per device, e.g. 1,4,16 (needs --model)")
@@ -314,7 +318,7 @@ def cmd_sweep(args) -> int:
         rows = sweep(trace, capacity=capacity, step_time_model=model, vmap_runs=args.vmap_runs,
                      threads=args.threads, progress=not args.no_progress,
                      vmap_skips=False if args.no_vmap_skips else None,
-                     prune=args.prune,
+                     prune=args.prune, workers=args.workers,
                      preemption_costs=args.preemption_costs, memory=memory,
                      slo_ttft=args.slo_ttft, slo_tpot=args.slo_tpot, stats=stats, **axes)
     except (SweepError, TraceError, ValueError) as e:

@@ -21,7 +21,10 @@ Two ways to step a batch of runs inside the compiled call (`vmap_runs`):
 
   lax.map (vmap_runs=1): one run after another; each run's `lax.cond` skips are its own, and
       a drained run skips its chunks. The runs are also split into one shard per core,
-      each stepped by the same compiled call on its own host thread (`threads`).
+      each stepped by the same compiled call on its own host thread (`threads`), or, from
+      WORKERS_FROM_RUNS runs, in its own worker process pinned to a CPU (`workers`,
+      sim/sweep_workers.py: XLA:CPU's one thread pool per process makes two threads'
+      programs slow each other).
   jax.vmap (vmap_runs > 1): groups of runs stepped together, with their run axis named and
       the step traced under `core.batching.runs_axis`: every skip of the scheduler is
       decided once for the group (the predicate an `any` over runs, so a `lax.cond` stays a
@@ -78,7 +81,7 @@ from jaxsched.core.config import PREEMPT_RECOMPUTE, PREEMPT_SWAP, SchedulerConfi
 from jaxsched.core.costs import PreemptionCosts
 from jaxsched.core.requests import RequestBatch
 from jaxsched.core.walks import BIG
-from jaxsched.sim import sweep_prune
+from jaxsched.sim import sweep_prune, sweep_workers
 from jaxsched.sim.capacity import longest_sequence, needed_capacity, pow2, replay_capacity
 from jaxsched.sim.simulate import CHUNK_STEPS, replay_step
 from jaxsched.core.state import (EMPTY, FINISHED, IGNORED, LIMIT_FIELDS, empty_state, layout,
@@ -409,6 +412,22 @@ def default_threads() -> int:
         return os.cpu_count() or 1
 
 
+# Grids of at least this many runs use worker processes by default (`default_workers`).
+WORKERS_FROM_RUNS = 512
+
+
+def default_workers(vmap_runs: int, threads: int, runs: int) -> bool:
+    """Whether a sweep steps its shards in worker processes by default: on the CPU backend's
+    lax.map path with two shards or more, where processes can be pinned to a CPU each
+    (`sweep_workers.available`), for grids of WORKERS_FROM_RUNS runs or more. Two processes
+    step a grid about 1.4x as fast as two threads of one (benchmarks/results/sweep_partitions.md),
+    but starting them (importing JAX, compiling the chunk through the persistent cache) costs
+    a few seconds: by measurement in fresh processes (benchmarks/results/sweep.md) that is
+    even at 256 configurations of the 500-request trace and well paid at 1024."""
+    return (jax.default_backend() == "cpu" and vmap_runs == 1 and threads >= 2
+            and runs >= WORKERS_FROM_RUNS and sweep_workers.available())
+
+
 def default_vmap_skips() -> bool:
     """Whether a vmapped sweep skips the work no run of its batch needs, by default: yes on
     every backend measured. On the CPU a step costs the work of the branches it runs (no
@@ -475,7 +494,7 @@ def _limit_columns(dims: tuple) -> dict[int, np.ndarray]:
 
 def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: int, progress: bool,
             threads: int = 1, stats: dict | None = None, skips: bool = True, batch: int | None = None,
-            label: str = "sweep", starts: dict | None = None, watch=None, work=None):
+            label: str = "sweep", starts: dict | None = None, watch=None, work=None, workers: bool = False):
     """Run every config to the end; (records [runs, T, NUM_COLS], per_request [runs, 4, N]) or
     None when some run had more requests alive than slots. `batch` (at least the runs):
     the batch is shaped as for that many runs, the rest padding (so a wave of a pruned
@@ -484,7 +503,9 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
     the start are left zero. `watch(runs, chunks, records, read)` is called after each chunk
     with the runs that stepped, the global index of the chunk each made, their records, and
     `read(runs)`, which returns their states now (host arrays, as Start.state). `work`:
-    each run's steps to make, estimated, to even the shards' work (`_deal`).
+    each run's steps to make, estimated, to even the shards' work (`_deal`). `workers`: on
+    the lax.map path with two shards or more, each shard is held and stepped by a worker
+    process pinned to its own CPU (`sweep_workers`) instead of a host thread.
 
     The runs are stacked in a batch, split into `threads` equal shards, each stepped by the
     same compiled call on its own host thread (XLA releases the GIL while it runs). Between
@@ -503,6 +524,8 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
     positions = max(runs, batch or 0)
     shards = max(1, min(threads, positions))
     size, group = _shard_size(positions, positions, shards, vmap_runs)
+    # Workers start now, so that they load while the parent compiles.
+    remote = sweep_workers.Shards(shards) if workers and group == 1 and shards > 1 else None
     ids = _deal(runs, size * shards, shards, work)  # the run at each position (-1: padding)
     limits = stacked_limits([configs[r if r >= 0 else runs - 1] for r in ids])
     # A padding run starts drained (every request has a finish step): lax.map skips it.
@@ -548,7 +571,8 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
         out = [None] * len(pos)
         for shard in np.unique(pos // size):
             mine = np.nonzero(pos // size == shard)[0]
-            state, per = _rows(carries[shard], pos[mine] % size, stats)
+            state, per = (remote.rows(shard, pos[mine] % size) if remote is not None
+                          else _rows(carries[shard], pos[mine] % size, stats))
             for k, i in enumerate(mine):
                 out[i] = (tuple(leaf[k] for leaf in state.data), per[k])
         return out
@@ -564,13 +588,22 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
                 break
             times = ((first_steps[:, None] + np.arange(K)).astype(np.float32) * trace.step_time)
             first = first_steps.astype(np.int32)
-            exe = _executable((carries[0], cols, arrival_time, tokens, first[:size], times[:size]), capacity,
-                              width, group, stats, skips=skips)
-            advance = lambda i: exe(carries[i], cols, arrival_time, tokens,   # noqa: E731
-                                    first[i * size:(i + 1) * size], times[i * size:(i + 1) * size])
-            out = [advance(0)] if shards == 1 else list(pool.map(advance, range(shards)))
-            carries = [c for c, _ in out]
-            rec = np.concatenate([np.asarray(r) for _, r in out])
+            exe = _executable((carries[0] if carries is not None else held, cols, arrival_time, tokens,
+                               first[:size], times[:size]), capacity, width, group, stats, skips=skips)
+            if remote is not None:
+                if carries is not None:     # from here on the workers hold the carries
+                    remote.start(exe, (capacity, width, group), (cols, arrival_time, tokens), carries,
+                                 [first[i * size:(i + 1) * size] for i in range(shards)],
+                                 [times[i * size:(i + 1) * size] for i in range(shards)])
+                    held, carries = carries[0], None
+                rec = np.concatenate(remote.advance([first[i * size:(i + 1) * size] for i in range(shards)],
+                                                    [times[i * size:(i + 1) * size] for i in range(shards)]))
+            else:
+                advance = lambda i: exe(carries[i], cols, arrival_time, tokens,   # noqa: E731
+                                        first[i * size:(i + 1) * size], times[i * size:(i + 1) * size])
+                out = [advance(0)] if shards == 1 else list(pool.map(advance, range(shards)))
+                carries = [c for c, _ in out]
+                rec = np.concatenate([np.asarray(r) for _, r in out])
             stepped += rec.shape[0] * K
             if rec[real][:, :, C_OVERFLOW].any():
                 return None
@@ -609,11 +642,13 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
                 size, group = new_size, new_group
                 sizes.append(size)
                 carries = split(batch)
-    stats.update(shard_sizes=sizes, threads=shards, vmap_group=group, stepped_run_steps=stepped)
+    stats.update(shard_sizes=sizes, threads=shards, vmap_group=group, stepped_run_steps=stepped,
+                 workers=0 if remote is None else shards)
     bad = np.nonzero((done < len(reqs)) | (last >= trace.max_steps))[0]
     if bad.size:
         _unfinished(trace, configs, bad)
-    kept = np.concatenate([np.asarray(c[1]) for c in carries])     # on the host: no device op
+    kept = np.concatenate(remote.per_request() if remote is not None     # on the host: no device op
+                          else [np.asarray(c[1]) for c in carries])
     real = ids >= 0
     final[ids[real]] = kept[real]
     return np.concatenate(chunks, axis=1), final
@@ -682,7 +717,8 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
           vmap_runs: int | None = None, threads: int | None = None, progress: bool = True,
           preemption_costs=None, memory=None, slo_ttft: float | None = None,
           slo_tpot: float | None = None, per_request: bool = False, stats: dict | None = None,
-          vmap_skips: bool | None = None, prune: bool | None = None, **axes) -> list[dict]:
+          vmap_skips: bool | None = None, prune: bool | None = None, workers: bool | None = None,
+          **axes) -> list[dict]:
     """Replay `trace` under every combination of the given limit lists; one row per run.
 
     Memory axes, vLLM's knobs: `gpu_memory_utilization` and `swap_space` (GiB), each a list
@@ -718,6 +754,12 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
     `jaxsched sweep` sets) runs a sweep about 13% faster (`xla_flags.SWEEP_GPU_FLAGS`).
     `threads` splits the runs into that many shards stepped in parallel on host threads
     (default: one per CPU core on the CPU backend, else 1); results do not depend on it.
+    `workers`: step those shards in worker processes, one pinned to each CPU, instead of
+    host threads (`sweep_workers`: the lax.map path only, Linux); rows do not depend on it.
+    None (default): on the CPU backend's lax.map path with two threads or more, for grids
+    of WORKERS_FROM_RUNS runs or more (`default_workers`: they step about 1.4x as fast,
+    after a start-up of a few seconds). A failed worker raises `sweep_workers.WorkerError`
+    (a RuntimeError); the next sweep starts a new one.
     `prune`: run each grid line's largest configuration first, not run the configurations
     whose rows one of those runs gives exactly (sim/sweep_prune.py: every test against their
     limits would come out the same), and start the others from the state of a run made
@@ -739,7 +781,8 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
     into trace_s, lower_s and xla_s),
     run_s (the rest), compiles (the chunk's, one per batch shape, and the first batch's,
     one per capacity and batch shape), run_steps (the steps of all runs to drain), path ("vmap" or
-    "map"), threads, vmap_group, shard_sizes (runs per shard, shrinking as runs drain),
+    "map"), threads, workers (worker processes used, 0 for threads), vmap_group, shard_sizes
+    (runs per shard, shrinking as runs drain),
     stepped_run_steps (run-steps computed, padding included), num_slots, prune (did it run
     in waves), waves (1 to 3), pruned (configurations answered for without a run of their
     own), resumed (runs started from another run's state) and skipped_steps (the steps
@@ -757,7 +800,8 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
         return _sweep_caching(trace, axes.pop(CACHING_FIELD), stats, axes,
                               dict(capacity=capacity, step_time_model=step_time_model,
                                    vmap_runs=vmap_runs, threads=threads, progress=progress,
-                                   vmap_skips=vmap_skips, prune=prune, preemption_costs=preemption_costs,
+                                   vmap_skips=vmap_skips, prune=prune, workers=workers,
+                                   preemption_costs=preemption_costs,
                                    memory=memory,
                                    slo_ttft=slo_ttft, slo_tpot=slo_tpot, per_request=per_request))
     static = {f: _static_value(f, axes.pop(f)) for f in list(axes) if f in STATIC_FIELDS}
@@ -784,6 +828,10 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
         raise SweepError(f"sweep: vmap_skips must be True or False, got {vmap_skips!r}")
     if prune is not None and not isinstance(prune, (bool, np.bool_)):
         raise SweepError(f"sweep: prune must be True, False or None, got {prune!r}")
+    if workers is not None and not isinstance(workers, (bool, np.bool_)):
+        raise SweepError(f"sweep: workers must be True, False or None, got {workers!r}")
+    if workers is None:
+        workers = default_workers(vmap_runs, threads, len(configs))
     # The first wave, when there is one (by measurement by default: see the docstring).
     first = None
     if sweep_prune.prunable(configs[0]) and (prune or (prune is None and vmap_runs == 1)):
@@ -795,7 +843,7 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
     t0 = time.perf_counter()
     try:
         out = _sweep_replay(parsed, configs, cap, capacity, vmap_runs, progress, threads, info,
-                            bool(vmap_skips), first)
+                            bool(vmap_skips), first, workers)
     finally:                    # also when runs did not drain (a benchmark times a few chunks)
         if stats is not None:
             wall = time.perf_counter() - t0
@@ -829,9 +877,10 @@ def _sweep_caching(trace: dict, spec, stats: dict | None, axes: dict, kwargs: di
 
 
 def _sweep_replay(parsed, configs, cap, capacity, vmap_runs, progress, threads, info, skips=True,
-                  first=None):
+                  first=None, workers=False):
     """`_waves`, restarted with twice the slots while some run has more requests alive."""
-    while (out := _waves(parsed, configs, cap, vmap_runs, progress, threads, info, skips, first)) is None:
+    while (out := _waves(parsed, configs, cap, vmap_runs, progress, threads, info, skips, first,
+                         workers)) is None:
         if capacity and "num_slots" in capacity:
             raise SweepError(f"sweep: some run has more than num_slots={cap['num_slots']} requests "
                              f"alive at once; raise the capacity's num_slots")
@@ -842,7 +891,7 @@ def _sweep_replay(parsed, configs, cap, capacity, vmap_runs, progress, threads, 
     return out
 
 
-def _waves(parsed, configs, cap, vmap_runs, progress, threads, info, skips, first=None):
+def _waves(parsed, configs, cap, vmap_runs, progress, threads, info, skips, first=None, workers=False):
     """`_replay` of every config, or with `first` (indices, sweep_prune.first_wave) in waves
     (sweep_prune): the roots, the rest of `first`, then the configurations no run made
     answers for; each run of a wave starts from the state of a run made before, as late as
@@ -851,7 +900,7 @@ def _waves(parsed, configs, cap, vmap_runs, progress, threads, info, skips, firs
     the run it started from, shifted (`_shifted`). None as `_replay`."""
     run = lambda which, label, **kw: _replay(  # noqa: E731
         parsed, [configs[i] for i in which], cap, vmap_runs, progress, threads, stats=info, skips=skips,
-        batch=len(configs), label=label, **kw)
+        batch=len(configs), label=label, workers=workers, **kw)
     info.update(pruned=0, waves=1, prune=bool(first) and len(first) < len(configs), resumed=0, skipped_steps=0)
     if not info["prune"]:
         return run(list(range(len(configs))), "sweep")

@@ -1,0 +1,266 @@
+"""Worker processes for the CPU sweep: one per core, each stepping its shard of runs.
+
+Why processes, not threads: XLA:CPU runs every program of a process on one thread pool and
+spreads each program's independent kernels across it, so two sweep threads in one process
+keep handing kernels to a pool the other is using. Two processes limited to one CPU each
+step the same grid at 74 us per run-step each at once, as fast as one alone: 1.42x the two
+threads' 52 us per pair (benchmarks/sweep_partitions.py, results/sweep_partitions.md).
+
+The parent compiles the chunk first. With JAX's persistent compilation cache on, a worker
+then compiles the same chunk through it (a cache hit); with the cache off, the parent ships
+its executable (`jax.experimental.serialize_executable`). Not both ways: an executable that
+itself came from the cache serializes without its code (the worker fails with "Function ...
+not found"). A worker keeps its shard's carry, steps it chunk by chunk on request and hands
+rows of it back, so the parent's bookkeeping (records, waves, resumed runs) is the threaded
+path's. Workers start once per process, on first use, and stay until it exits.
+
+Protocol: pickled (command, args) frames on the worker's stdin; pickled ("ok", value) or
+("error", traceback) frames on a pipe that was its stdout. Only the parent talks to it.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import pickle
+import struct
+import subprocess
+import sys
+import threading
+
+_HEADER = struct.Struct("<Q")
+
+
+def _write(f, obj) -> None:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    f.write(_HEADER.pack(len(data)))
+    f.write(data)
+    f.flush()
+
+
+def _read(f):
+    head = f.read(_HEADER.size)
+    if len(head) < _HEADER.size:
+        raise EOFError
+    (size,) = _HEADER.unpack(head)
+    data = f.read(size)
+    if len(data) < size:
+        raise EOFError
+    return pickle.loads(data)
+
+
+def available() -> bool:
+    """Worker processes can be pinned to one CPU each here (Linux) and there are two CPUs."""
+    return hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) >= 2
+
+
+class WorkerError(RuntimeError):
+    """A sweep worker failed or exited; the pool is started afresh on the next sweep."""
+
+
+class Worker:
+    """One worker process pinned to `cpu`."""
+
+    def __init__(self, cpu: int):
+        self.cpu = cpu
+        self.loaded: set = set()         # ids of the executables shipped to it
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "jaxsched.sim.sweep_workers", str(cpu)], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        # Its stderr is drained on a thread (a full pipe would block it) and kept for errors.
+        self.errors: list[bytes] = []
+        threading.Thread(target=self._drain, daemon=True).start()
+
+    def _drain(self) -> None:
+        for line in self.proc.stderr:
+            self.errors = (self.errors + [line])[-40:]
+
+    def send(self, command: str, *args) -> None:
+        try:
+            _write(self.proc.stdin, (command, args))
+        except (BrokenPipeError, OSError):
+            raise self._failed(command) from None
+
+    def receive(self, command: str = "?"):
+        try:
+            status, value = _read(self.proc.stdout)
+        except (EOFError, OSError, pickle.UnpicklingError):
+            raise self._failed(command) from None
+        if status != "ok":
+            raise WorkerError(f"sweep worker on CPU {self.cpu} failed in {command}:\n{value}")
+        return value
+
+    def call(self, command: str, *args):
+        self.send(command, *args)
+        return self.receive(command)
+
+    def _failed(self, command: str) -> WorkerError:
+        self.proc.poll()
+        tail = b"".join(self.errors).decode(errors="replace")[-2000:]
+        return WorkerError(f"sweep worker on CPU {self.cpu} exited (code {self.proc.returncode}) "
+                           f"during {command}; its last output:\n{tail}")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.close()
+                self.proc.wait(timeout=5)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+
+
+_POOL: list[Worker] = []
+
+
+def pool(count: int) -> list[Worker]:
+    """`count` workers, one per usable CPU (started on first use, then kept; one that has
+    exited is replaced)."""
+    _POOL[:] = [w for w in _POOL if w.proc.poll() is None]
+    cpus = sorted(os.sched_getaffinity(0))
+    while len(_POOL) < count:
+        _POOL.append(Worker(cpus[len(_POOL) % len(cpus)]))
+    return _POOL[:count]
+
+
+def start_pool(count: int) -> None:
+    """Start `count` workers and wait until they are ready (JAX imported)."""
+    for worker in pool(count):
+        worker.send("ping")
+    for worker in pool(count):
+        worker.receive("ping")
+
+
+def close_pool() -> None:
+    while _POOL:
+        _POOL.pop().close()
+
+
+atexit.register(close_pool)
+
+
+def _whole(method):
+    """A Shards method that, if it fails or is interrupted part way, closes the pool: a
+    worker may have a reply not yet read, and the next sweep starts new workers instead."""
+    def wrapped(self, *args):
+        try:
+            return method(self, *args)
+        except BaseException:
+            close_pool()
+            raise
+    wrapped.__doc__ = method.__doc__
+    return wrapped
+
+
+class Shards:
+    """The shards of a sweep batch, each held and stepped by a worker."""
+
+    def __init__(self, count: int):
+        self.workers = pool(count)
+
+    @_whole
+    def start(self, exe, compile_args: tuple, consts, carries, firsts, times) -> None:
+        """Give each worker the chunk and its carry. `exe` is the parent's compiled chunk,
+        `compile_args` the static arguments of `sweep._executable` that compile it."""
+        import jax
+        import numpy as np
+
+        blob = None
+        for worker, carry, first, when in zip(self.workers, carries, firsts, times):
+            if jax.config.jax_compilation_cache_dir:
+                how = ("compile", {name: getattr(jax.config, name) for name in CACHE_CONFIG}, compile_args)
+            elif id(exe) in worker.loaded:
+                how = ("loaded", id(exe))
+            else:
+                blob = blob or pickle.dumps(serialize(exe), protocol=pickle.HIGHEST_PROTOCOL)
+                how = ("ship", id(exe), blob)
+                worker.loaded.add(id(exe))
+            worker.send("start", how, [np.asarray(x) for x in consts], jax.tree.map(np.asarray, carry),
+                        first, when)
+        for worker in self.workers:
+            worker.receive("start")
+
+    @_whole
+    def advance(self, firsts, times) -> list:
+        """One chunk on every shard at once; each shard's records."""
+        for worker, first, when in zip(self.workers, firsts, times):
+            worker.send("advance", first, when)
+        return [worker.receive("advance") for worker in self.workers]
+
+    @_whole
+    def rows(self, shard: int, index):
+        """Rows `index` of a shard's carry (state, per_request), host arrays."""
+        return self.workers[shard].call("rows", index)
+
+    @_whole
+    def per_request(self) -> list:
+        for worker in self.workers:
+            worker.send("per_request")
+        return [worker.receive("per_request") for worker in self.workers]
+
+
+# JAX's settings of the persistent compilation cache, copied to a worker that compiles through it.
+CACHE_CONFIG = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+                "jax_persistent_cache_min_entry_size_bytes", "jax_compilation_cache_max_size")
+
+
+def serialize(exe):
+    from jax.experimental.serialize_executable import serialize as ser
+    return ser(exe)
+
+
+def _serve() -> None:
+    """The worker's loop: answer frames on stdin until it closes."""
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)                       # stray prints go to stderr, not into the frames
+    inp = sys.stdin.buffer
+    import traceback
+
+    import jax
+    import numpy as np
+    from jax.experimental.compilation_cache import compilation_cache
+    from jax.experimental.serialize_executable import deserialize_and_load
+
+    from jaxsched.sim import sweep as sw
+
+    executables, exe, consts, carry = {}, None, None, None
+    while True:
+        try:
+            command, args = _read(inp)
+        except EOFError:
+            return
+        try:
+            if command == "start":
+                how, host_consts, host_carry, first, when = args
+                consts, carry = [jax.device_put(x) for x in host_consts], jax.device_put(host_carry)
+                if how[0] == "compile":     # through the persistent cache the parent filled
+                    changed = {k: v for k, v in how[1].items() if getattr(jax.config, k) != v}
+                    for name, setting in changed.items():
+                        jax.config.update(name, setting)
+                    if changed:                 # a cache set up before without these settings
+                        compilation_cache.reset_cache()
+                    exe = sw._executable((carry, *consts, first, when), *how[2], {})
+                else:
+                    if how[0] == "ship":
+                        executables[how[1]] = deserialize_and_load(*pickle.loads(how[2]))
+                    exe = executables[how[1]]
+                value = None
+            elif command == "advance":
+                carry, rec = exe(carry, *consts, *args)
+                value = np.asarray(rec)
+            elif command == "rows":     # on the host: no compile of a gather per index shape
+                value = jax.tree.map(lambda x: np.asarray(x)[args[0]], carry)
+            elif command == "per_request":
+                value = np.asarray(carry[1])
+            elif command == "ping":         # answered once JAX and jaxsched are imported
+                value = None
+            else:
+                raise ValueError(f"unknown command {command!r}")
+            _write(out, ("ok", value))
+        except Exception:   # the parent raises it as a WorkerError
+            _write(out, ("error", traceback.format_exc()))
+
+
+if __name__ == "__main__":
+    # Pinned before XLA's CPU client starts: its thread pool is sized from the CPUs it may use.
+    os.sched_setaffinity(0, {int(sys.argv[1])})
+    _serve()
