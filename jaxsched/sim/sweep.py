@@ -571,7 +571,7 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
         out = [None] * len(pos)
         for shard in np.unique(pos // size):
             mine = np.nonzero(pos // size == shard)[0]
-            state, per = (remote.rows(shard, pos[mine] % size) if remote is not None
+            state, per = (remote.rows(shard, pos[mine] % size) if carries is None
                           else _rows(carries[shard], pos[mine] % size, stats))
             for k, i in enumerate(mine):
                 out[i] = (tuple(leaf[k] for leaf in state.data), per[k])
@@ -595,7 +595,7 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
                     remote.start(exe, (capacity, width, group), (cols, arrival_time, tokens), carries,
                                  [first[i * size:(i + 1) * size] for i in range(shards)],
                                  [times[i * size:(i + 1) * size] for i in range(shards)])
-                    held, carries = carries[0], None
+                    held, carries = carries[0], None       # None: the workers hold them
                 rec = np.concatenate(remote.advance([first[i * size:(i + 1) * size] for i in range(shards)],
                                                     [times[i * size:(i + 1) * size] for i in range(shards)]))
             else:
@@ -643,11 +643,11 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
                 sizes.append(size)
                 carries = split(batch)
     stats.update(shard_sizes=sizes, threads=shards, vmap_group=group, stepped_run_steps=stepped,
-                 workers=0 if remote is None else shards)
+                 workers=shards if carries is None else 0)
     bad = np.nonzero((done < len(reqs)) | (last >= trace.max_steps))[0]
     if bad.size:
         _unfinished(trace, configs, bad)
-    kept = np.concatenate(remote.per_request() if remote is not None     # on the host: no device op
+    kept = np.concatenate(remote.per_request() if carries is None     # on the host: no device op
                           else [np.asarray(c[1]) for c in carries])
     real = ids >= 0
     final[ids[real]] = kept[real]
@@ -832,6 +832,9 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
         raise SweepError(f"sweep: workers must be True, False or None, got {workers!r}")
     if workers is None:
         workers = default_workers(vmap_runs, threads, len(configs))
+    elif workers and (vmap_runs > 1 or threads < 2 or not sweep_workers.available()):
+        raise SweepError("sweep: workers=True needs the lax.map path (vmap_runs=1), threads >= 2 and "
+                         "a system that pins processes to CPUs (Linux, two CPUs or more)")
     # The first wave, when there is one (by measurement by default: see the docstring).
     first = None
     if sweep_prune.prunable(configs[0]) and (prune or (prune is None and vmap_runs == 1)):
