@@ -254,6 +254,7 @@ def test_sweep__worker_processes_give_the_threads_rows_and_a_dead_one_is_replace
     assert sweep(TRACE, **GRID, capacity=CAPACITY, vmap_runs=1, threads=2, progress=False,
                  workers=True) == rows
     assert dead not in sweep_workers.pool(2)
+    assert sorted(w.cpu for w in sweep_workers.pool(2)) == sorted(os.sched_getaffinity(0))[:2]
     with pytest.raises(SweepError, match="workers must be True, False or None"):
         sweep(TRACE, **GRID, capacity=CAPACITY, workers="yes", progress=False)
     with pytest.raises(SweepError, match=r"workers=True needs the lax.map path \(vmap_runs=1\), threads >= 2"):

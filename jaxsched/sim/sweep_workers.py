@@ -118,7 +118,8 @@ def pool(count: int) -> list[Worker]:
     _POOL[:] = [w for w in _POOL if w.proc.poll() is None]
     cpus = sorted(os.sched_getaffinity(0))
     while len(_POOL) < count:
-        _POOL.append(Worker(cpus[len(_POOL) % len(cpus)]))
+        # The least used CPU: a replacement goes where the worker it replaces was.
+        _POOL.append(Worker(min(cpus, key=lambda c: sum(w.cpu == c for w in _POOL))))
     return _POOL[:count]
 
 
