@@ -591,13 +591,12 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
             exe = _executable((carries[0] if carries is not None else held, cols, arrival_time, tokens,
                                first[:size], times[:size]), capacity, width, group, stats, skips=skips)
             if remote is not None:
+                firsts, whens = split(first), split(times)
                 if carries is not None:     # from here on the workers hold the carries
                     remote.start(exe, (capacity, width, group), (cols, arrival_time, tokens), carries,
-                                 [first[i * size:(i + 1) * size] for i in range(shards)],
-                                 [times[i * size:(i + 1) * size] for i in range(shards)])
+                                 firsts, whens)
                     held, carries = carries[0], None       # None: the workers hold them
-                rec = np.concatenate(remote.advance([first[i * size:(i + 1) * size] for i in range(shards)],
-                                                    [times[i * size:(i + 1) * size] for i in range(shards)]))
+                rec = np.concatenate(remote.advance(firsts, whens))
             else:
                 advance = lambda i: exe(carries[i], cols, arrival_time, tokens,   # noqa: E731
                                         first[i * size:(i + 1) * size], times[i * size:(i + 1) * size])

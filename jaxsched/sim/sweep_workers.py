@@ -139,6 +139,11 @@ def close_pool() -> None:
 atexit.register(close_pool)
 
 
+# JAX's settings of the persistent compilation cache, copied to a worker that compiles through it.
+CACHE_CONFIG = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+                "jax_persistent_cache_min_entry_size_bytes", "jax_compilation_cache_max_size")
+
+
 def _whole(method):
     """A Shards method that, if it fails or is interrupted part way, closes the pool: a
     worker may have a reply not yet read, and the next sweep starts new workers instead."""
@@ -164,6 +169,7 @@ class Shards:
         `compile_args` the static arguments of `sweep._executable` that compile it."""
         import jax
         import numpy as np
+        from jax.experimental.serialize_executable import serialize
 
         blob = None
         for worker, carry, first, when in zip(self.workers, carries, firsts, times):
@@ -197,16 +203,6 @@ class Shards:
         for worker in self.workers:
             worker.send("per_request")
         return [worker.receive("per_request") for worker in self.workers]
-
-
-# JAX's settings of the persistent compilation cache, copied to a worker that compiles through it.
-CACHE_CONFIG = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-                "jax_persistent_cache_min_entry_size_bytes", "jax_compilation_cache_max_size")
-
-
-def serialize(exe):
-    from jax.experimental.serialize_executable import serialize as ser
-    return ser(exe)
 
 
 def _serve() -> None:
