@@ -3,9 +3,9 @@
     python benchmarks/sweep_compile.py [--size 16] [--rounds 2]
 
 The 500-request trace and grid of `benchmarks/sweep.py` (--size configurations), swept by
-the CPU default path (`lax.map` over runs) on one thread, persistent cache off, in a fresh
-process per option set, the option sets interleaved round by round. Each process splits the
-compile of `sweep_chunk` into tracing (Python), lowering (to StableHLO) and XLA's compile,
+the CPU default path (the map path, a loop over runs) on one thread, persistent cache off,
+in a fresh process per option set, the option sets interleaved round by round. Each process
+splits the compile of `sweep_chunk` into tracing (Python), lowering (to StableHLO) and XLA's compile,
 which is given the option set as `compiler_options` (XLA's debug options, for this one
 executable; the front ends' XLA_FLAGS otherwise). The split is the sweep's own `stats`. The run is the sweep's `stats['run_s']`,
 compile apart, per run-step (run-steps: the steps each run takes to drain, summed).

@@ -11,7 +11,7 @@ split step waits for a pool thread that the other run holds.
 To see what that costs, the sweep's chunk is compiled twice into two persistent compilation
 caches: once as usual, once by a process limited to one CPU (which compiles no split). Fresh
 processes with every CPU then load either executable from its cache and run the 500-request
-trace and grid of `benchmarks/sweep.py` (--configs configurations, lax.map path, --threads
+trace and grid of `benchmarks/sweep.py` (--configs configurations, map path, --threads
 threads, every configuration run: no pruning), the two interleaved for --rounds rounds of
 --repeats sweeps each. Then the cores themselves: one process limited to one CPU sweeps with
 one thread, alone and then beside a second such process on the other CPU (the two cores run

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -196,6 +197,35 @@ def test_sweep__runs_split_over_threads_give_the_same_rows_in_grid_order(vmapped
         sweep(TRACE, **GRID, capacity=CAPACITY, threads=0, progress=False)
 
 
+def test_sweep_chunk__the_map_path_steps_the_live_runs_and_leaves_the_drained_as_they_were(monkeypatch):
+    """Each chunk of the map path: a drained run (or padding) keeps its state bit for bit
+    and records nothing; every live run steps (its clock moves)."""
+    from jaxsched.sim import sweep as sw
+    seen = []
+    compiled = sw._executable
+
+    def spy(*args, **kwargs):
+        exe = compiled(*args, **kwargs)
+
+        def call(carry, *rest):
+            before = jax.tree.map(lambda x: np.array(x, copy=True), carry)   # the call donates it
+            out = exe(carry, *rest)
+            seen.append((before, jax.tree.map(np.asarray, out)))
+            return out
+        return call
+    monkeypatch.setattr(sw, "_executable", spy)
+    sweep(TRACE, **GRID, capacity=CAPACITY, vmap_runs=1, threads=3, prune=False, progress=False)
+    mixed = 0
+    for (state, per), ((state_after, per_after), rec) in seen:
+        drained = (per[:, 0] >= 0).all(-1)
+        mixed += drained.any() and not drained.all()
+        for leaf, leaf_after in zip(state.data, state_after.data):
+            assert (leaf[drained] == leaf_after[drained]).all()
+        assert (per[drained] == per_after[drained]).all() and not rec[drained].any()
+        assert (state_after.step[~drained] == state.step[~drained] + rec.shape[1]).all()
+    assert mixed > 3
+
+
 def test_sweep__pruned_rows_equal_the_rows_of_every_run_made():
     """Pruning (sim/sweep_prune.py) gives each configuration the row of a run that passed
     every test against its limits with room to spare: the rows of random grids equal those
@@ -257,7 +287,7 @@ def test_sweep__worker_processes_give_the_threads_rows_and_a_dead_one_is_replace
     assert sorted(w.cpu for w in sweep_workers.pool(2)) == sorted(os.sched_getaffinity(0))[:2]
     with pytest.raises(SweepError, match="workers must be True, False or None"):
         sweep(TRACE, **GRID, capacity=CAPACITY, workers="yes", progress=False)
-    with pytest.raises(SweepError, match=r"workers=True needs the lax.map path \(vmap_runs=1\), threads >= 2"):
+    with pytest.raises(SweepError, match=r"workers=True needs the map path \(vmap_runs=1\), threads >= 2"):
         sweep(TRACE, **GRID, capacity=CAPACITY, vmap_runs=16, workers=True, progress=False)
 
 

@@ -10,7 +10,7 @@ over chunks only (a tqdm bar counts finished requests), until every run has fini
 request:
 
     host:    chunk 0 ──> chunk 1 ──> ... ──> all runs drained
-    device:  over runs r (jax.vmap, or lax.map) ── lax.scan over steps t ──
+    device:  over runs r (jax.vmap, or a loop over the live ones) ── lax.scan over steps t ──
                  add_requests, schedule, update, free_finished
 
 A step is the same composition of public transitions as `simulate`'s, and each run's
@@ -19,8 +19,8 @@ reports for its configuration.
 
 Two ways to step a batch of runs inside the compiled call (`vmap_runs`):
 
-  lax.map (vmap_runs=1): one run after another; each run's `lax.cond` skips are its own, and
-      a drained run skips its chunks. The runs are also split into one shard per core,
+  the map path (vmap_runs=1): one live run after another; each run's `lax.cond` skips are
+      its own, and a drained run (or padding) is not visited. The runs are also split into one shard per core,
       each stepped by the same compiled call on its own host thread (`threads`), or, from
       WORKERS_FROM_RUNS runs, in its own worker process pinned to a CPU (`workers`,
       sim/sweep_workers.py: XLA:CPU's one thread pool per process makes two threads'
@@ -33,9 +33,9 @@ Two ways to step a batch of runs inside the compiled call (`vmap_runs`):
       for a steady decode step). Between chunks, runs that have drained are dropped from
       the batch (compaction to a power of two per shard, at most log4(runs) + 1 shapes).
 
-Default, by measurement (benchmarks/sweep.py, benchmarks/results/sweep.md): lax.map with one
-thread per core on CPU, where a step's cost is XLA's per-kernel overhead plus the table-sized
-work of whichever branches run, so a batch that takes every branch any run needs (some run
+Default, by measurement (benchmarks/sweep.py, benchmarks/results/sweep.md): the map path
+with one thread per core on CPU, where a step's cost is XLA's per-kernel overhead plus the
+table-sized work of whichever branches run, so a batch that takes every branch any run needs (some run
 of a grid admits, preempts or frees in almost every step) costs more per run-step than each
 run taking only its own (about 2x at 16 and 64 runs on 2 cores); one vmap over all runs on
 an accelerator, where the batch's kernels run in parallel and a step costs about the same
@@ -77,6 +77,7 @@ import numpy as np
 from jax import lax
 
 from jaxsched.core import batching
+from jaxsched.core.block_pool import mask_rank
 from jaxsched.core.config import PREEMPT_RECOMPUTE, PREEMPT_SWAP, SchedulerConfig
 from jaxsched.core.costs import PreemptionCosts
 from jaxsched.core.requests import RequestBatch
@@ -321,33 +322,53 @@ def sweep_chunk(carry, cols, arrival_time, tokens, start, times, cap, width, vma
     int32[runs, K, NUM_COLS]. The trace (`cols`, `arrival_time`, `tokens`) is shared; each
     run has its own first step (int32[runs]) and times (float32[runs, K]), since a run may
     start from another's state (sweep_prune.Resumes).
-    `vmap_runs` = 1: a `lax.map` over runs, each run's skips its own (a drained run skips
-    the chunk). Else `jax.vmap` over groups of `vmap_runs` runs (a `lax.map` over the
-    groups when that is fewer than all), traced under `batching.runs_axis`: every skip is
-    decided once for the group, so the work is done when some run of the group needs it;
-    with `skips` False, never skipped (masks only: `batching.runs_axis`).
+    `vmap_runs` = 1: a loop over the live runs (the map path), each run's skips its own; a
+    drained run (or padding) is not visited, not even copied. Else `jax.vmap` over groups
+    of `vmap_runs` runs (a `lax.map` over the groups when that is fewer than all), traced
+    under `batching.runs_axis`: every skip is decided once for the group, so the work is
+    done when some run of the group needs it; with `skips` False, never skipped (masks
+    only: `batching.runs_axis`).
     """
     k = times.shape[1]
-    # Inside the chunk the state is stored one leaf per field: a step's writes then touch
-    # only the fields they change, not a copy of the packed state (of every run, under vmap).
-    carry = (carry[0].per_field(), carry[1])
+    runs = carry[1].shape[0]
 
     def chunk(c, first, when):
         steps = first + jnp.arange(k, dtype=jnp.int32)
         return lax.scan(lambda c, x: _step(c, x, cols, arrival_time, tokens, cap, width), c, (steps, when))
 
     # Records of a drained run are not read past its end: skipping its chunk changes nothing.
-    idle = lambda c, first, when: (c, jnp.zeros((k, NUM_COLS), jnp.int32))   # noqa: E731
-    drained = lambda c: (c[1][0] >= 0).all()                                 # noqa: E731
-    repack = lambda c, rec: ((c[0].per_field(False), c[1]), rec)             # noqa: E731
+    drained = lambda c: (c[1][..., 0, :] >= 0).all(-1)                      # noqa: E731
     if vmap_runs == 1:
-        return repack(*lax.map(lambda a: lax.cond(drained(a[0]), idle, chunk, *a), (carry, start, times)))
+        # Only the live runs are visited, each unpacked to one leaf per field for its chunk
+        # (a step's writes then touch only the fields they change, not a copy of the packed
+        # state); a drained run or padding costs nothing, not even a copy of its state.
+        live = ~drained(carry)
+        # The live runs' positions first (a ranking, not a sort: XLA:CPU's sort thunk does not
+        # serialize, and worker processes are shipped this executable).
+        order = jnp.zeros((runs,), jnp.int32).at[jnp.where(live, mask_rank(live), runs)].set(
+            jnp.arange(runs, dtype=jnp.int32), mode="drop")
+
+        def visit(i, c):
+            batch, rec = c
+            r = order[i]
+            row = jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, r, keepdims=False), batch)
+            (state, per_request), mine = chunk((row[0].per_field(), row[1]), start[r], times[r])
+            row = (state.per_field(False), per_request)
+            batch = jax.tree.map(lambda x, y: lax.dynamic_update_index_in_dim(x, y, r, 0), batch, row)
+            return batch, lax.dynamic_update_index_in_dim(rec, mine, r, 0)
+        return lax.fori_loop(0, live.sum(dtype=jnp.int32), visit,
+                             (carry, jnp.zeros((runs, k, NUM_COLS), jnp.int32)))
+
+    # Under vmap the state is stored one leaf per field inside the chunk, as above: a
+    # step's writes copy the fields they change of every run of the batch, not all of them.
+    carry = (carry[0].per_field(), carry[1])
+    idle = lambda c, first, when: (c, jnp.zeros((k, NUM_COLS), jnp.int32))   # noqa: E731
+    repack = lambda c, rec: ((c[0].per_field(False), c[1]), rec)             # noqa: E731
 
     def one(c, first, when):
         with batching.runs_axis(RUNS, skips):
             return batching.cond(~drained(c), chunk, idle, c, first, when, same=True)
     many = jax.vmap(one, axis_name=RUNS)
-    runs = carry[1].shape[0]
     if vmap_runs >= runs:
         return repack(*many(carry, start, times))
     args = jax.tree.map(lambda x: x.reshape(runs // vmap_runs, vmap_runs, *x.shape[1:]), (carry, start, times))
@@ -360,7 +381,7 @@ def _executable(args, cap, width, vmap_runs, stats, compiler_options=None, skips
     """The compiled `sweep_chunk` for these shapes (compiled once per process; the time of a
     compile goes to stats['compile_s'], split into trace_s, lower_s and xla_s).
     `compiler_options` are XLA's for this executable (benchmarks/sweep_compile.py)."""
-    # One run per group is the lax.map path, whose skips are each run's own: one executable.
+    # One run per group is the map path, whose skips are each run's own: one executable.
     return _compiled(sweep_chunk, args, dict(cap=cap, width=width, vmap_runs=vmap_runs,
                                              skips=skips or vmap_runs == 1), stats, compiler_options)
 
@@ -418,7 +439,7 @@ WORKERS_FROM_RUNS = 512
 
 def default_workers(vmap_runs: int, threads: int, runs: int) -> bool:
     """Whether a sweep steps its shards in worker processes by default: on the CPU backend's
-    lax.map path with two shards or more, where processes can be pinned to a CPU each
+    map path with two shards or more, where processes can be pinned to a CPU each
     (`sweep_workers.available`), for grids of WORKERS_FROM_RUNS runs or more. Two processes
     step a grid about 1.4x as fast as two threads of one (benchmarks/results/sweep_partitions.md),
     but starting them (importing JAX, compiling the chunk through the persistent cache) costs
@@ -504,15 +525,15 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
     with the runs that stepped, the global index of the chunk each made, their records, and
     `read(runs)`, which returns their states now (host arrays, as Start.state). `work`:
     each run's steps to make, estimated, to even the shards' work (`_deal`). `workers`: on
-    the lax.map path with two shards or more, each shard is held and stepped by a worker
+    the map path with two shards or more, each shard is held and stepped by a worker
     process pinned to its own CPU (`sweep_workers`) instead of a host thread.
 
     The runs are stacked in a batch, split into `threads` equal shards, each stepped by the
     same compiled call on its own host thread (XLA releases the GIL while it runs). Between
     chunks, runs that have drained are dropped from the batch (compaction): when the runs
     left fit a quarter of the batch (a power of two per shard) they are gathered into it, so a long
-    tail of slow runs does not carry the whole grid (vmapped runs only: under `lax.map` a
-    drained run costs nothing). Padding positions hold a copy of a run
+    tail of slow runs does not carry the whole grid (vmapped runs only: the map path does
+    not visit a drained run). Padding positions hold a copy of a run
     (drained, or the grid's last at the start); their records are never read.
     """
     from tqdm.auto import tqdm
@@ -528,7 +549,7 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
     remote = sweep_workers.Shards(shards) if workers and group == 1 and shards > 1 else None
     ids = _deal(runs, size * shards, shards, work)  # the run at each position (-1: padding)
     limits = stacked_limits([configs[r if r >= 0 else runs - 1] for r in ids])
-    # A padding run starts drained (every request has a finish step): lax.map skips it.
+    # A padding run starts drained (every request has a finish step): never stepped.
     per_request = np.full((len(ids), 4, len(reqs)), -1, np.int32)
     per_request[ids < 0] = 0
     args = (limits, per_request, np.int32(cap_config.seed), np.int32(cap_config.artificial_preemption_count))
@@ -626,7 +647,7 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
             made += 1
             live = np.nonzero(real & (done[np.maximum(ids, 0)] < len(reqs)))[0]
             new_size, new_group = _shard_size(len(live), positions, shards, vmap_runs)
-            # Compaction (vmap only: a lax.map skips a drained run's chunk for free), once the
+            # Compaction (vmap only: the map path does not visit a drained run), once the
             # live runs fit a quarter of the batch: fewer shapes, fewer compiles.
             if live.size and group > 1 and new_size * 4 <= size:
                 batch = join(carries)
@@ -754,8 +775,8 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
     `threads` splits the runs into that many shards stepped in parallel on host threads
     (default: one per CPU core on the CPU backend, else 1); results do not depend on it.
     `workers`: step those shards in worker processes, one pinned to each CPU, instead of
-    host threads (`sweep_workers`: the lax.map path only, Linux); rows do not depend on it.
-    None (default): on the CPU backend's lax.map path with two threads or more, for grids
+    host threads (`sweep_workers`: the map path only, Linux); rows do not depend on it.
+    None (default): on the CPU backend's map path with two threads or more, for grids
     of WORKERS_FROM_RUNS runs or more (`default_workers`: they step about 1.4x as fast,
     after a start-up of a few seconds). A failed worker raises `sweep_workers.WorkerError`
     (a RuntimeError); the next sweep starts a new one.
@@ -764,7 +785,7 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
     limits would come out the same), and start the others from the state of a run made
     before, as late as its decisions are theirs; rows do not depend on it. None
     (default): where it saves time, by measurement (benchmarks/results/sweep.md): on the
-    lax.map path, where a run not made is time saved, when the first wave is at most half
+    map path, where a run not made is time saved, when the first wave is at most half
     the grid (`sweep_prune.worth_it`); not vmapped, where a batch costs about the same with
     fewer runs and a second wave doubles the steps. Never under prefix caching or
     artificial preemption.
@@ -832,7 +853,7 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
     if workers is None:
         workers = default_workers(vmap_runs, threads, len(configs))
     elif workers and (vmap_runs > 1 or threads < 2 or not sweep_workers.available()):
-        raise SweepError("sweep: workers=True needs the lax.map path (vmap_runs=1), threads >= 2 and "
+        raise SweepError("sweep: workers=True needs the map path (vmap_runs=1), threads >= 2 and "
                          "a system that pins processes to CPUs (Linux, two CPUs or more)")
     # The first wave, when there is one (by measurement by default: see the docstring).
     first = None
