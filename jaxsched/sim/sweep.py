@@ -434,7 +434,7 @@ def default_threads() -> int:
 
 
 # Grids of at least this many runs use worker processes by default (`default_workers`).
-WORKERS_FROM_RUNS = 512
+WORKERS_FROM_RUNS = 1024
 
 
 def default_workers(vmap_runs: int, threads: int, runs: int) -> bool:
@@ -443,8 +443,9 @@ def default_workers(vmap_runs: int, threads: int, runs: int) -> bool:
     (`sweep_workers.available`), for grids of WORKERS_FROM_RUNS runs or more. Two processes
     step a grid about 1.4x as fast as two threads of one (benchmarks/results/sweep_partitions.md),
     but starting them (importing JAX, compiling the chunk through the persistent cache) costs
-    a few seconds: by measurement in fresh processes (benchmarks/results/sweep.md) that is
-    even at 256 configurations of the 500-request trace and well paid at 1024."""
+    a few seconds: by measurement in fresh processes (benchmarks/results/sweep.md), end to
+    end, they lose at 256 configurations of the 500-request trace and break even at 1024,
+    where a process that sweeps again (its workers up) gains the whole 1.2x."""
     return (jax.default_backend() == "cpu" and vmap_runs == 1 and threads >= 2
             and runs >= WORKERS_FROM_RUNS and sweep_workers.available())
 
