@@ -20,11 +20,11 @@ reports for its configuration.
 Two ways to step a batch of runs inside the compiled call (`vmap_runs`):
 
   the map path (vmap_runs=1): one live run after another; each run's `lax.cond` skips are
-      its own, and a drained run (or padding) is not visited. The runs are also split into one shard per core,
-      each stepped by the same compiled call on its own host thread (`threads`), or, from
-      WORKERS_FROM_RUNS runs, in its own worker process pinned to a CPU (`workers`,
-      sim/sweep_workers.py: XLA:CPU's one thread pool per process makes two threads'
-      programs slow each other).
+      its own, and a drained run (or padding) is not visited. The runs are also split into
+      one shard per core, each stepped by the same compiled call on its own host thread
+      (`threads`), or, from WORKERS_FROM_RUNS runs, in its own worker process pinned to a
+      CPU (`workers`, sim/sweep_workers.py: XLA:CPU's one thread pool per process makes two
+      threads' programs slow each other).
   jax.vmap (vmap_runs > 1): groups of runs stepped together, with their run axis named and
       the step traced under `core.batching.runs_axis`: every skip of the scheduler is
       decided once for the group (the predicate an `any` over runs, so a `lax.cond` stays a
@@ -35,15 +35,16 @@ Two ways to step a batch of runs inside the compiled call (`vmap_runs`):
 
 Default, by measurement (benchmarks/sweep.py, benchmarks/results/sweep.md): the map path
 with one thread per core on CPU, where a step's cost is XLA's per-kernel overhead plus the
-table-sized work of whichever branches run, so a batch that takes every branch any run needs (some run
-of a grid admits, preempts or frees in almost every step) costs more per run-step than each
-run taking only its own (about 2x at 16 and 64 runs on 2 cores); one vmap over all runs on
-an accelerator, where the batch's kernels run in parallel and a step costs about the same
-for 16 runs as for 1024 (3.3 us per run-step at 1024 on an H200, 0.06x the cost at 16:
-benchmarks/results/sweep_gpu.md). A vmapped batch skips what none of its runs needs
-(`vmap_skips`, measured against masking every branch). Compile time is reported apart
-(`stats`); one compiled chunk serves every batch of the same capacity and shape within a
-process, and `jaxsched sweep` turns on the persistent compilation cache across processes.
+table-sized work of whichever branches run, so a batch that takes every branch any run
+needs (some run of a grid admits, preempts or frees in almost every step) costs more per
+run-step than each run taking only its own (about 2x at 16 and 64 runs on 2 cores); one
+vmap over all runs on an accelerator, where the batch's kernels run in parallel and a step
+costs about the same for 16 runs as for 1024 (3.3 us per run-step at 1024 on an H200,
+0.06x the cost at 16: benchmarks/results/sweep_gpu.md). A vmapped batch skips what none of
+its runs needs (`vmap_skips`, measured against masking every branch). Compile time is
+reported apart (`stats`); one compiled chunk serves every batch of the same capacity and
+shape within a process, and `jaxsched sweep` turns on the persistent compilation cache
+across processes.
 
 Not every configuration needs a run of its own (`prune`, sim/sweep_prune.py): each step
 reports how much its block and max_num_seqs tests had to spare, so a run whose tests all
