@@ -92,11 +92,15 @@ def num_free(ref_count: jax.Array, num_active: jax.Array) -> jax.Array:
 
 def free_list(ref_count: jax.Array, num_active: jax.Array) -> jax.Array:
     """int32[num_blocks]: free block ids, lowest first, padded with the out-of-range id."""
-    size = ref_count.shape[0]
-    free = free_mask(ref_count, num_active)
-    rank = mask_rank(free)
+    return true_indices(free_mask(ref_count, num_active))
+
+
+def true_indices(mask: jax.Array) -> jax.Array:
+    """int32[n] for a bool[n] mask: the indices of its True entries in order, padded with n
+    (a ranking, not a sort: XLA:CPU's sort thunk cannot be serialized)."""
+    size = mask.shape[0]
     ids = jnp.arange(size, dtype=jnp.int32)
-    return jnp.full((size,), size, jnp.int32).at[jnp.where(free, rank, size)].set(ids, mode="drop")
+    return jnp.full((size,), size, jnp.int32).at[jnp.where(mask, mask_rank(mask), size)].set(ids, mode="drop")
 
 
 def take_ranked(blocks: jax.Array, rank: jax.Array, mask: jax.Array) -> jax.Array:

@@ -78,7 +78,7 @@ import numpy as np
 from jax import lax
 
 from jaxsched.core import batching
-from jaxsched.core.block_pool import mask_rank
+from jaxsched.core.block_pool import true_indices
 from jaxsched.core.config import PREEMPT_RECOMPUTE, PREEMPT_SWAP, SchedulerConfig
 from jaxsched.core.costs import PreemptionCosts
 from jaxsched.core.requests import RequestBatch
@@ -344,10 +344,7 @@ def sweep_chunk(carry, cols, arrival_time, tokens, start, times, cap, width, vma
         # (a step's writes then touch only the fields they change, not a copy of the packed
         # state); a drained run or padding costs nothing, not even a copy of its state.
         live = ~drained(carry)
-        # The live runs' positions first (a ranking, not a sort: XLA:CPU's sort thunk does not
-        # serialize, and worker processes are shipped this executable).
-        order = jnp.zeros((runs,), jnp.int32).at[jnp.where(live, mask_rank(live), runs)].set(
-            jnp.arange(runs, dtype=jnp.int32), mode="drop")
+        order = true_indices(live)     # not a sort: worker processes are shipped this executable
 
         def visit(i, c):
             batch, rec = c
