@@ -16,7 +16,8 @@ prompts of ~60 and outputs of ~25 tokens, 20% of requests with n in 2..4), swept
   sweep map:     `jaxsched.sim.sweep`, the map path (a loop over the live runs), one shard per
                  CPU core on host threads (the CPU default), pruned: configurations whose rows
                  a run of a larger one gives exactly are not run, and runs resume from the
-                 state of an earlier run while its decisions are theirs (sim/sweep_prune.py; `timed` says how many);
+                 state of an earlier run while its decisions are theirs (sim/sweep_prune.py;
+                 `timed` says how many);
                  cost per run-step is over the whole grid's run-steps, as for every path
   no pruning:    the same, every configuration run to the end (--paths map-all); its rows
                  must equal the pruned sweep's
