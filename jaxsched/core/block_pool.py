@@ -14,15 +14,18 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxsched.core import batching
 
 
-def _triangle(n: int, dtype, strict: bool = False) -> jax.Array:
-    """[n, n] with ones where row <= col (row < col if strict): x @ it is a prefix sum."""
-    rows, cols = jnp.arange(n)[:, None], jnp.arange(n)[None, :]
-    return ((rows < cols) if strict else (rows <= cols)).astype(dtype)
+def _triangle(n: int, dtype, strict: bool = False) -> np.ndarray:
+    """[n, n] with ones where row <= col (row < col if strict): x @ it is a prefix sum.
+
+    A host constant, not an iota comparison: XLA:CPU does not fold the comparison, and each
+    use compiled to a kernel of its own (55 of the sweep chunk's 859)."""
+    return np.triu(np.ones((n, n), dtype), 1 if strict else 0)
 
 
 def _dot_cumsum(x: jax.Array, dtype) -> jax.Array:
