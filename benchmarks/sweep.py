@@ -22,8 +22,8 @@ prompts of ~60 and outputs of ~25 tokens, 20% of requests with n in 2..4), swept
   no pruning:    the same, every configuration run to the end (--paths map-all); its rows
                  must equal the pruned sweep's
   worker procs:  the pruned map sweep with its shards stepped by worker processes pinned to
-                 one CPU each instead of threads (`sweep(workers=True)`, the default from 1024
-                 configurations; --paths map-workers); the workers start once, before the
+                 one CPU each instead of threads (`sweep(workers=True)`, on request;
+                 --paths map-workers); the workers start once, before the
                  timings, and each sweep ships its compiled chunk to them (timed); a fresh
                  process's start-up is in the end-to-end table
   sweep vmap:    `jax.vmap` over all runs of a shard (vmap_runs=N), drained runs compacted

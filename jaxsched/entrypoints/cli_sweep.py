@@ -102,8 +102,8 @@ def register(subparsers) -> None:
            "half the grid)")
     s("--workers", action=argparse.BooleanOptionalAction, default=None,
       help="step the shards in worker processes, one pinned to each CPU, instead of threads "
-           "(CPU, map path, Linux); rows are the same either way (default: for grids of "
-           "1024 configurations or more)")
+           "(CPU, map path, Linux); rows are the same either way (default: threads, as fast "
+           "or faster by measurement)")
     s("--gpu-memory-utilization", metavar="SPEC", help="sweep axis in memory units, e.g. 0.5:0.9:0.1: "
       "the device's share that the weights, working memory and KV cache may use (needs --model)")
     s("--swap-space", metavar="SPEC", help="sweep axis, GiB of host swap per device, e.g. 1,4,16 (needs --model)")

@@ -22,9 +22,8 @@ Two ways to step a batch of runs inside the compiled call (`vmap_runs`):
   the map path (vmap_runs=1): one live run after another; each run's `lax.cond` skips are
       its own, and a drained run (or padding) is not visited. The runs are also split into
       one shard per core, each stepped by the same compiled call on its own host thread
-      (`threads`), or, from WORKERS_FROM_RUNS runs, in its own worker process pinned to a
-      CPU (`workers`, sim/sweep_workers.py: XLA:CPU's one thread pool per process makes two
-      threads' programs slow each other).
+      (`threads`), or, on request, in its own worker process pinned to a CPU (`workers`,
+      sim/sweep_workers.py).
   jax.vmap (vmap_runs > 1): groups of runs stepped together, with their run axis named and
       the step traced under `core.batching.runs_axis`: every skip of the scheduler is
       decided once for the group (the predicate an `any` over runs, so a `lax.cond` stays a
@@ -431,23 +430,6 @@ def default_threads() -> int:
         return os.cpu_count() or 1
 
 
-# Grids of at least this many runs use worker processes by default (`default_workers`).
-WORKERS_FROM_RUNS = 1024
-
-
-def default_workers(vmap_runs: int, threads: int, runs: int) -> bool:
-    """Whether a sweep steps its shards in worker processes by default: on the CPU backend's
-    map path with two shards or more, where processes can be pinned to a CPU each
-    (`sweep_workers.available`), for grids of WORKERS_FROM_RUNS runs or more. Two processes
-    step a grid about 1.4x as fast as two threads of one (benchmarks/results/sweep_partitions.md),
-    but starting them (importing JAX, compiling the chunk through the persistent cache) costs
-    a few seconds: by measurement in fresh processes (benchmarks/results/sweep.md), end to
-    end, they lose at 256 configurations of the 500-request trace and break even at 1024,
-    where a process that sweeps again (its workers up) gains the whole 1.2x."""
-    return (jax.default_backend() == "cpu" and vmap_runs == 1 and threads >= 2
-            and runs >= WORKERS_FROM_RUNS and sweep_workers.available())
-
-
 def default_vmap_skips() -> bool:
     """Whether a vmapped sweep skips the work no run of its batch needs, by default: yes on
     every backend measured. On the CPU a step costs the work of the branches it runs (no
@@ -781,10 +763,13 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
     (default: one per CPU core on the CPU backend, else 1); results do not depend on it.
     `workers`: step those shards in worker processes, one pinned to each CPU, instead of
     host threads (`sweep_workers`: the map path only, Linux); rows do not depend on it.
-    None (default): on the CPU backend's map path with two threads or more, for grids
-    of WORKERS_FROM_RUNS runs or more (`default_workers`: they step about 1.4x as fast,
-    after a start-up of a few seconds). A failed worker raises `sweep_workers.WorkerError`
-    (a RuntimeError); the next sweep starts a new one.
+    None (default) is False: with each thread waiting for its own shard's chunk, two
+    threads step a grid about as fast as two pinned processes (1.18x slower per run-step
+    with every configuration run, benchmarks/results/sweep_partitions.md), and pruned
+    sweeps, whose waves read and ship run states, are faster on threads at every size
+    measured (1024 configurations: 21.7-22.0 s against 23.5-25.0 s with the workers up).
+    A failed worker raises `sweep_workers.WorkerError` (a RuntimeError); the next sweep
+    starts a new one.
     `prune`: run each grid line's largest configuration first, not run the configurations
     whose rows one of those runs gives exactly (sim/sweep_prune.py: every test against their
     limits would come out the same), and start the others from the state of a run made
@@ -856,7 +841,7 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
     if workers is not None and not isinstance(workers, (bool, np.bool_)):
         raise SweepError(f"sweep: workers must be True, False or None, got {workers!r}")
     if workers is None:
-        workers = default_workers(vmap_runs, threads, len(configs))
+        workers = False
     elif workers and (vmap_runs > 1 or threads < 2 or not sweep_workers.available()):
         raise SweepError("sweep: workers=True needs the map path (vmap_runs=1), threads >= 2 and "
                          "a system that pins processes to CPUs (Linux, two CPUs or more)")
