@@ -192,6 +192,7 @@ def test_sweep__runs_split_over_threads_give_the_same_rows_in_grid_order(vmapped
     stats = {}
     threaded = sweep(TRACE, **GRID, capacity=CAPACITY, vmap_runs=1, threads=3, progress=False, stats=stats)
     assert stats["threads"] == 3 and set(stats["shard_sizes"]) == {6}    # each wave (pruning) as one
+    assert stats["workers"] == 0         # worker processes only when asked for (workers=True)
     assert key(threaded) == key(rows)
     with pytest.raises(SweepError, match="threads must be a positive integer"):
         sweep(TRACE, **GRID, capacity=CAPACITY, threads=0, progress=False)
