@@ -35,6 +35,7 @@ scheduler does not track slack.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -49,6 +50,7 @@ def prunable(config: SchedulerConfig) -> bool:
     return not (config.enable_prefix_caching or config.artificial_preemption)
 
 
+@functools.lru_cache(maxsize=4096)
 def _others(config: SchedulerConfig) -> tuple:
     """The fields that must be equal for one run to answer for another."""
     return tuple(repr(getattr(config, f.name)) for f in dataclasses.fields(config)
@@ -210,13 +212,12 @@ class Resumes:
                 run = int(self.runs[cols[pick[i]]])
                 self.best[int(target)] = (int(reach[i]), run)
                 wanted.add((int(cols[pick[i]]), int(reach[i])))
+        self._forget()      # the states no target starts from any more (once per chunk, not per store)
         return sorted(wanted)
 
     def store(self, col: int, boundary: int, state) -> None:
-        """The state (any host value) of run column `col` at chunk `boundary`; the states no
-        target starts from any more are dropped."""
+        """The state (any host value) of run column `col` at chunk `boundary`."""
         self.snaps[(int(self.runs[col]), boundary)] = state
-        self._forget()
 
     def start(self, target: int):
         """(first step, run it starts from, the stored state) of `target`, or None."""
