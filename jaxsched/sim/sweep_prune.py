@@ -95,7 +95,11 @@ def worth_it(configs: list[SchedulerConfig], first: list[int]) -> bool:
     wave costs its longest shard's runs, so a first wave of most of the grid leaves too few
     runs to save (16 configurations of benchmarks/sweep.py: 11 in the first wave, 2 answered
     for, 8 resumed: no faster than one wave, 1.0-1.6 s against 1.05-1.2 s; 64 to 1024: 22 to
-    262 first, 1.4-2.5x faster)."""
+    262 first, 1.4-2.5x faster). Since the shard threads wait for their own chunks, waves cost
+    less: forced, pruning runs those 16 in 0.68-0.77 s against 0.83-0.89, but grids where no
+    run answers for another still lose to one wave (2 modes x 2 max_num_seqs x 4 small pools:
+    0.95-1.0 s against 0.87-0.9; x 2 pools: 0.49-0.53 against 0.42-0.46), and which kind a
+    small grid is shows only once its runs are made; so the rule stands."""
     return 0 < len(first) <= len(configs) // 2
 
 
