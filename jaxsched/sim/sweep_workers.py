@@ -1,10 +1,12 @@
 """Worker processes for the CPU sweep: one per core, each stepping its shard of runs.
 
-Why processes, not threads: XLA:CPU runs every program of a process on one thread pool and
-spreads each program's independent kernels across it, so two sweep threads in one process
-keep handing kernels to a pool the other is using. Two processes limited to one CPU each
-step the same grid at 74 us per run-step each at once, as fast as one alone: 1.42x the two
-threads' 52 us per pair (benchmarks/sweep_partitions.py, results/sweep_partitions.md).
+Why processes: each has XLA:CPU's thread pool to itself. Two processes limited to one CPU
+each step the 64-configuration grid at 75 us per run-step each at once, as fast as one alone:
+a run-step every 37.6 us per pair, 1.18x the two threads of one process (44.2 us; 1.42x
+before the threads waited for their own chunks: benchmarks/sweep_partitions.py,
+results/sweep_partitions.md). A pruned sweep reads and ships run states between its waves,
+which costs processes more than threads: so they are used only when asked for
+(`sweep(workers=True)`), threads being as fast or faster end to end at every size measured.
 
 The parent compiles the chunk first. With JAX's persistent compilation cache on, a worker
 then compiles the same chunk through it (a cache hit); with the cache off, the parent ships
