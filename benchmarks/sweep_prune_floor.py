@@ -31,7 +31,7 @@ import time
 
 import numpy as np
 from _common import save_results
-from sweep import TRACE, grid
+from sweep import SWEPT, TRACE, grid
 
 from jaxsched.entrypoints.xla_flags import use_xla_flags
 
@@ -105,9 +105,9 @@ def made_by_pruning(trace, axes) -> tuple[int, int, int]:
         rows = sw.sweep(trace, **axes, progress=False)
     finally:
         undo()
-    steps = {tuple(r[k] for k in ("preemption_mode", "max_num_seqs", "num_device_blocks")): r["steps"] for r in rows}
-    key = lambda c: (c.preemption_mode, c.max_num_seqs, c.num_device_blocks)   # noqa: E731
-    left = [steps[key(c)] - waves_starts.get(i, 0) for configs, waves_starts in waves for i, c in enumerate(configs)]
+    steps = {tuple(r[k] for k in SWEPT): r["steps"] for r in rows}
+    left = [steps[tuple(getattr(c, k) for k in SWEPT)] - starts.get(i, 0)
+            for configs, starts in waves for i, c in enumerate(configs)]
     return sum(left), sum(-(-n // CHUNK_STEPS) * CHUNK_STEPS for n in left), len(left)
 
 

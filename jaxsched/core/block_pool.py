@@ -20,12 +20,12 @@ from jax import lax
 from jaxsched.core import batching
 
 
-def _triangle(n: int, dtype, strict: bool = False) -> np.ndarray:
-    """[n, n] with ones where row <= col (row < col if strict): x @ it is a prefix sum.
+def _triangle(n: int, dtype) -> np.ndarray:
+    """[n, n] with ones where row <= col: x @ it is a prefix sum.
 
     A host constant, not an iota comparison: XLA:CPU does not fold the comparison, and each
     use compiled to a kernel of its own (55 of the sweep chunk's 859)."""
-    return np.triu(np.ones((n, n), dtype), 1 if strict else 0)
+    return np.triu(np.ones((n, n), dtype))
 
 
 def _dot_cumsum(x: jax.Array, dtype) -> jax.Array:

@@ -840,11 +840,10 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
         raise SweepError(f"sweep: prune must be True, False or None, got {prune!r}")
     if workers is not None and not isinstance(workers, (bool, np.bool_)):
         raise SweepError(f"sweep: workers must be True, False or None, got {workers!r}")
-    if workers is None:
-        workers = False
-    elif workers and (vmap_runs > 1 or threads < 2 or not sweep_workers.available()):
+    if workers and (vmap_runs > 1 or threads < 2 or not sweep_workers.available()):
         raise SweepError("sweep: workers=True needs the map path (vmap_runs=1), threads >= 2 and "
                          "a system that pins processes to CPUs (Linux, two CPUs or more)")
+    workers = bool(workers)
     # The first wave, when there is one (by measurement by default: see the docstring).
     first = None
     if sweep_prune.prunable(configs[0]) and (prune or (prune is None and vmap_runs == 1)):
