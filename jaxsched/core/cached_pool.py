@@ -22,8 +22,7 @@ class Ctx(NamedTuple):
     """The block state the walks change, group by group."""
     dev: pc.PrefixPool
     host: pc.PrefixPool
-    table: jax.Array          # int32[G, S, M] device tables
-    host_table: jax.Array     # int32[G, S, M]
+    table: jax.Array          # int32[G, S, M] device blocks, or host blocks of swapped groups
     num_blocks: jax.Array     # int32[G, S]
     pairs: jax.Array          # int32[3, P, 2] swap-out, swap-in, copy
     counts: jax.Array         # int32[3] pairs written in each list
@@ -110,26 +109,27 @@ def preempt(ctx: Ctx, g, swap) -> Ctx:
     def swap_out(ctx):
         dev, host, mapped, first = _move(ctx.dev, ctx.host, ctx.table[g], valid)
         ctx = _push_pairs(ctx, SWAP_OUT, ctx.table[g], mapped, first)
-        return ctx._replace(dev=dev, host=host, host_table=ctx.host_table.at[g].set(mapped))
+        return ctx._replace(dev=dev, host=host, table=ctx.table.at[g].set(mapped))
 
-    ctx = lax.cond(swap, swap_out, recompute, ctx)
-    return ctx._replace(table=ctx.table.at[g].set(0))
+    def recompute_then_clear(ctx):
+        return recompute(ctx)._replace(table=ctx.table.at[g].set(0))
+
+    return lax.cond(swap, swap_out, recompute_then_clear, ctx)
 
 
 def swap_in(ctx: Ctx, st: Step, g) -> Ctx:
     """Group g's host blocks back onto the device by key, then its appends."""
     valid = _valid(ctx, g)
-    host, dev, mapped, first = _move(ctx.host, ctx.dev, ctx.host_table[g], valid)
-    ctx = _push_pairs(ctx, SWAP_IN, ctx.host_table[g], mapped, first)
-    ctx = ctx._replace(dev=dev, host=host, table=ctx.table.at[g].set(mapped),
-                       host_table=ctx.host_table.at[g].set(0))
+    host, dev, mapped, first = _move(ctx.host, ctx.dev, ctx.table[g], valid)
+    ctx = _push_pairs(ctx, SWAP_IN, ctx.table[g], mapped, first)
+    ctx = ctx._replace(dev=dev, host=host, table=ctx.table.at[g].set(mapped))
     return append(ctx, st, g)
 
 
 def drop_host(ctx: Ctx, g) -> Ctx:
     """SPEC B2: an ignored swapped group's host blocks enter the host evictor."""
-    host = pc.free(ctx.host, ctx.host_table[g].reshape(-1), _valid(ctx, g).reshape(-1))
-    return ctx._replace(host=host, host_table=ctx.host_table.at[g].set(0),
+    host = pc.free(ctx.host, ctx.table[g].reshape(-1), _valid(ctx, g).reshape(-1))
+    return ctx._replace(host=host, table=ctx.table.at[g].set(0),
                         num_blocks=ctx.num_blocks.at[g].set(0))
 
 

@@ -31,7 +31,7 @@ from jaxsched.core.config import Capacity
 from jaxsched.core.costs import reusable_blocks
 from jaxsched.core.placement import Blocks, no_pairs
 from jaxsched.core.preemption import Victims, preempted_fields, recompute_tokens, wants_swap
-from jaxsched.core.state import SchedulerState, pool_fields
+from jaxsched.core.state import SchedulerOutput, SchedulerState, pool_fields
 from jaxsched.core.walks import UNTRACKED, PrefixWalk, RunningInputs, _visited, _walk_tokens
 
 
@@ -234,16 +234,16 @@ def general_cached(state: SchedulerState, now, cap: Capacity):
     admission_runs = jnp.asarray(True) if cap.enable_chunked_prefill else ~any_swap
     gate, latency, prev_time = _delay_gate(state, now, admission_runs, any_wait, any_run, d.is_wait)
     st = Step(state.seq_key, state.seq_alive, state.num_tokens, cap.block_size)
-    ctx = Ctx(state.pool("dev"), state.pool("host"), state.block_table, state.host_table,
-              state.num_blocks, no_pairs(cap), jnp.zeros((3,), jnp.int32))
+    ctx = Ctx(state.pool("dev"), state.pool("host"), state.block_table, state.num_blocks,
+              no_pairs(cap), jnp.zeros((3,), jnp.int32))
     adm, reason, swp, run, v, ctx = _walks(state, cap, d, q, st, ctx, admission_runs, gate)
     fields = {n: getattr(state, n) for n in ("status", "queue_key", "prefill_done", "prefill_total",
                                              "num_preemptions", "front_key", "tail_key",
                                              "prompt_len", "seq_alive", "num_tokens")}
     fields.update(preempted_fields(fields, v, cap.block_size))
     blk = Blocks(ctx.table, ctx.num_blocks, ctx.dev.ref_count, ctx.host.ref_count)
-    new_state = _commit(state, d, q, adm, reason, swp, run, fields, blk, ctx.host_table,
-                        admission_runs, prev_time, latency)
+    new_state = _commit(state, d, q, adm, reason, swp, run, fields, blk, admission_runs, prev_time,
+                        latency)
     scheduled = adm.served | swp.served | run.served
     stamped = entry_valid(ctx.num_blocks, state.seq_alive & scheduled[:, None], ctx.table.shape[2])
     dev = pc.access(ctx.dev, ctx.table.reshape(-1), stamped.reshape(-1), now)
@@ -252,4 +252,4 @@ def general_cached(state: SchedulerState, now, cap: Capacity):
                                      if k not in ("device_ref", "host_ref")})
     counts = jnp.concatenate([ctx.counts, jnp.stack([pc.num_free(dev), pc.num_free(ctx.host),
                                                      jnp.int32(UNTRACKED), jnp.int32(UNTRACKED)])])
-    return new_state, _output(d, adm, swp, run, v, ctx.pairs, counts)
+    return new_state, SchedulerOutput.pack(*_output(d, adm, swp, run, v, ctx.pairs, counts))

@@ -14,8 +14,8 @@ from jaxsched.core.config import SchedulerConfig
 from jaxsched.core.state import EMPTY, FINISHED, RUNNING, SWAPPED, SchedulerState, is_live
 
 CHECKS = (
-    "device ref counts equal block-table references",
-    "host ref counts equal host-table references",
+    "device ref counts equal the block-table references of groups on the device",
+    "host ref counts equal the block-table references of swapped groups",
     "free + used device blocks = total, null and inactive blocks never handed out",
     "free + used host blocks = total, null and inactive blocks never handed out",
     "every request is in exactly one state, holding blocks only where that state allows",
@@ -81,11 +81,11 @@ def invariant_violations(state: SchedulerState, output=None) -> jax.Array:
     on_device = valid & (status == RUNNING)[:, None, None]
     on_host = valid & (status == SWAPPED)[:, None, None]
     dev_refs, dev_pool = _pool_checks(state.device_ref, state.block_table, on_device, lim.num_device_blocks)
-    host_refs, host_pool = _pool_checks(state.host_ref, state.host_table, on_host, lim.num_host_blocks)
+    host_refs, host_pool = _pool_checks(state.host_ref, state.block_table, on_host, lim.num_host_blocks)
     live = is_live(status)
     known = live | (status == EMPTY) | (status == FINISHED)
     one_state = (~known.all() | (alive.any(1) != live).any() | (valid & ~(on_device | on_host)).any()
-                 | ((state.block_table != 0) & ~on_device).any() | ((state.host_table != 0) & ~on_host).any())
+                 | ((state.block_table != 0) & ~(on_device | on_host)).any())
     lens = jnp.where(alive, state.num_tokens, 0)
     computed = ((state.prefill_done > state.prefill_total) | (state.prefill_done < 0)
                 | (live & (state.prefill_total > lens.sum(1)))).any()

@@ -81,9 +81,10 @@ def _admitted_entries(seq_alive, num_tokens, leader, n_live, prompt_blocks, admi
     return valid, holder, num_blocks, rank
 
 
-def _fresh_tables(blk: Blocks, pairs, host_table, seq_alive, num_tokens, d, share, blocks,
-                  first_rank, admitted, swapped_in, swap_ignored, block_size):
-    """New tables of admitted and swapped-in groups; swapped groups leave the host pool.
+def _fresh_tables(blk: Blocks, pairs, seq_alive, num_tokens, d, share, blocks, first_rank,
+                  admitted, swapped_in, swap_ignored, block_size):
+    """New tables of admitted and swapped-in groups; swapped groups leave the host pool (the
+    host blocks their rows held are released, the rows of ignored ones cleared).
 
     Only the rows of the groups that move are worked on (`on_rows`: a step admits or swaps
     in a few groups). Steps that only admit (the common case) rank the fresh entries row
@@ -92,8 +93,9 @@ def _fresh_tables(blk: Blocks, pairs, host_table, seq_alive, num_tokens, d, shar
     _, s, width = blk.block_table.shape
     seq = jnp.arange(s, dtype=jnp.int32)[None, :, None]
 
-    def rows(at, table, num_blocks, host_rows, valid, holder, is_first, alive, tokens, admitted,
+    def rows(at, table, num_blocks, valid, holder, is_first, alive, tokens, admitted,
              swapped_in, swap_ignored, leader, n_live, prompt_blocks):
+        host_rows = table           # a swapped group's row holds its host blocks
         # Scatters over the whole table still take the rows of their own groups only.
         groups = (lambda mask: mask) if at is None else (lambda mask: None)
         adm_valid, adm_holder, adm_blocks, adm_rank = _admitted_entries(
@@ -122,13 +124,13 @@ def _fresh_tables(blk: Blocks, pairs, host_table, seq_alive, num_tokens, d, shar
                                                              pairs, same=True)
         mapped = jnp.where(new_valid, jnp.take_along_axis(fresh_id, holder, axis=1), 0)
         device_ref = add_refs(blk.device_ref, mapped, new_valid, 1, groups=groups(admitted | swapped_in))
-        table = jnp.where((admitted | swapped_in)[:, None, None], mapped, table)
+        table = jnp.where((admitted | leaving)[:, None, None], mapped, table)
         num_blocks = jnp.where(admitted[:, None], adm_blocks, num_blocks)
         return (Blocks(put_rows(blk.block_table, at, table), put_rows(blk.num_blocks, at, num_blocks),
                        device_ref, host_ref), pairs_out, count)
 
     return on_rows(admitted | swapped_in | swap_ignored, rows, blk.block_table, blk.num_blocks,
-                   host_table, *share, seq_alive, num_tokens, admitted, swapped_in, swap_ignored,
+                   *share, seq_alive, num_tokens, admitted, swapped_in, swap_ignored,
                    d.leader, d.n_live, d.prompt_blocks)
 
 
@@ -173,7 +175,7 @@ def append_slots(blk: Blocks, pairs, d: dict, decoding, num_active: jax.Array):
     return _apply_appends(blk, pairs, app_new, app_cow, app_id)
 
 
-def place(blk: Blocks, pairs, host_table, seq_alive, num_tokens, d: dict, share, admitted,
+def place(blk: Blocks, pairs, seq_alive, num_tokens, d: dict, share, admitted,
           swapped_in, run_served, swap_ignored, num_active: jax.Array, block_size: int):
     """Allocate the step's blocks: decode slots first, then fresh tables (lowest ids first).
 
@@ -186,7 +188,7 @@ def place(blk: Blocks, pairs, host_table, seq_alive, num_tokens, d: dict, share,
     app_id = take_ranked(blocks, mask_rank(app), app)
 
     def fresh_branch(b, pairs):
-        return _fresh_tables(b, pairs, host_table, seq_alive, num_tokens, d, share, blocks,
+        return _fresh_tables(b, pairs, seq_alive, num_tokens, d, share, blocks,
                              app.sum(dtype=jnp.int32), admitted, swapped_in, swap_ignored,
                              block_size)
 

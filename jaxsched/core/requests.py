@@ -256,14 +256,13 @@ def abort(state: SchedulerState, mask: jax.Array) -> SchedulerState:
     on_host = entries & (state.status == SWAPPED)[:, None, None]
     if state.caching:          # SPEC A10: the blocks enter the evictors, keys kept
         dev = prefix_cache.free(state.pool("dev"), state.block_table.reshape(-1), on_device.reshape(-1))
-        host = prefix_cache.free(state.pool("host"), state.host_table.reshape(-1), on_host.reshape(-1))
+        host = prefix_cache.free(state.pool("host"), state.block_table.reshape(-1), on_host.reshape(-1))
         state = state.replace(dev_evict_seq=dev.evict_seq, dev_clock=dev.clock,
                               host_evict_seq=host.evict_seq, host_clock=host.clock)
     return state.replace(
         device_ref=add_refs(state.device_ref, state.block_table, on_device, -1),
-        host_ref=add_refs(state.host_ref, state.host_table, on_host, -1),
+        host_ref=add_refs(state.host_ref, state.block_table, on_host, -1),
         block_table=jnp.where(live[:, None, None], 0, state.block_table),
-        host_table=jnp.where(live[:, None, None], 0, state.host_table),
         num_blocks=jnp.where(live[:, None], 0, state.num_blocks),
         seq_finish_reason=jnp.where(live[:, None] & state.seq_alive, ABORTED, state.seq_finish_reason),
         seq_alive=state.seq_alive & ~live[:, None],

@@ -227,15 +227,14 @@ def _everyone_slack(d, free, cap: Capacity) -> jax.Array:
 def _sharing(state: SchedulerState, d, cap: Capacity):
     """(valid, holder, is_first) of the step-start tables (block_pool.first_holder).
 
-    Device tables for running groups, host tables for swapped ones. With one sequence per
+    Device blocks for running groups, host blocks for swapped ones. With one sequence per
     group nothing is shared, and the [G, S, S, M] comparison is skipped.
     """
     valid = entry_valid(state.num_blocks, state.seq_alive & (d.is_run | d.is_swap)[:, None],
                         cap.max_blocks_per_seq)
     if cap.max_seqs_per_group == 1:
         return valid, jnp.zeros(valid.shape, jnp.int32), jnp.ones(valid.shape, bool)
-    table = jnp.where(d.is_swap[:, None, None], state.host_table, state.block_table)
-    return (valid,) + first_holder(table, valid)
+    return (valid,) + first_holder(state.block_table, valid)
 
 
 class StepValues(NamedTuple):
@@ -279,11 +278,8 @@ def _basics(state: SchedulerState, cap: Capacity, totals=None) -> StepValues:
     rest = state.prefill_total - state.prefill_done
     leader = jnp.argmax(alive, axis=1)
     group_tokens = jnp.take_along_axis(state.num_tokens, leader[:, None], axis=1)[:, 0]
-    if cap.max_seqs_per_group == 1:
-        table = state.block_table      # only read for copy-on-write, which needs S > 1
-    else:
-        table = jnp.where(is_swap[:, None, None], state.host_table, state.block_table)
-    need_new, cow = append_plan(table, state.num_blocks, alive, group_tokens, ~in_prefill,
+    # Host blocks for swapped groups: they share as their device blocks did (copy-on-write).
+    need_new, cow = append_plan(state.block_table, state.num_blocks, alive, group_tokens, ~in_prefill,
                                 cap.block_size)
     appends = (need_new | cow).sum(1, dtype=jnp.int32)
     # One reduction for the queue sizes and the running queue's token and block needs.
@@ -371,7 +367,8 @@ def schedule_impl(state: SchedulerState, cap: Capacity, now: jax.Array, steady_p
         from jaxsched.core.cached_step import general_cached
         return general_cached(state, now, cap)
     if not steady_path or cap.artificial_preemption:
-        return _general(state, now, cap, free0)
+        new_state, parts = _general(state, now, cap, free0)
+        return new_state, SchedulerOutput.pack(*parts)
     b = _basics(state, cap)
     totals = b.totals
     n_wait, n_run, n_swap = b.counts
@@ -386,10 +383,14 @@ def schedule_impl(state: SchedulerState, cap: Capacity, now: jax.Array, steady_p
     # Ordered by cost; each branch gives what the cheaper ones would, for the steps they
     # take (tests/test_differential.py), so a batch of runs takes the costliest any needs.
     branch = jnp.where(steady, jnp.where(b.decode_appends > 0, 1, 0), 2)
-    return batching.switch(branch, [
+    # The output leaves the switch in parts, packed after it: a caller that never reads the
+    # block pairs (a sweep) lets XLA drop them from every branch (a packed output would be
+    # written whole by each branch, the pair lists included).
+    new_state, parts = batching.switch(branch, [
         lambda: _steady(state, now, cap, free0, totals, order, allocate=False),
         lambda: _steady(state, now, cap, free0, totals, order, allocate=True),
         lambda: _general(state, now, cap, free0, totals)], covers=True)
+    return new_state, SchedulerOutput.pack(*parts)
 
 
 def _steady(state, now, cap: Capacity, free0, totals, order, allocate: bool):
@@ -426,13 +427,11 @@ def _steady(state, now, cap: Capacity, free0, totals, order, allocate: bool):
                                       state.last_prompt_latency))
     chunk = jnp.where(prefill, d.rest, 1)
     zero = jnp.zeros((g,), jnp.int32)
-    out = SchedulerOutput.pack(
-        slots=jnp.stack([run, jnp.where(run, chunk, 0), run & prefill,
-                         jnp.where(run, d.n_live, 0), zero, zero, none, none]).astype(jnp.int32),
-        pairs=pairs,
-        counts=jnp.stack([jnp.int32(0), jnp.int32(0), num_copy, free_dev, host_free0,
-                          _everyone_slack(d, free0, cap), jnp.int32(BIG)]))
-    return new_state, out
+    slots = jnp.stack([run, jnp.where(run, chunk, 0), run & prefill,
+                       jnp.where(run, d.n_live, 0), zero, zero, none, none]).astype(jnp.int32)
+    counts = jnp.stack([jnp.int32(0), jnp.int32(0), num_copy, free_dev, host_free0,
+                        _everyone_slack(d, free0, cap), jnp.int32(BIG)])
+    return new_state, (slots, pairs, counts)
 
 
 def _general(state, now, cap: Capacity, free0, totals=None):
@@ -445,53 +444,50 @@ def _general(state, now, cap: Capacity, free0, totals=None):
     gate, latency, prev_time = _delay_gate(state, now, admission_runs, any_wait, any_run, d.is_wait)
     adm, ign_reason, swp, run = _walks(state, cap, d, q, free0, admission_runs, gate)
     host_free0 = num_free(state.host_ref, lim.num_host_blocks)
-    v, blk, host_table, pairs, num_swap_out, free_dev, free_host = _preempt(
-        state, cap, d, q, run, free0, host_free0)
+    v, blk, pairs, num_swap_out, free_dev, free_host = _preempt(state, cap, d, q, run, free0, host_free0)
     fields = {n: getattr(state, n) for n in ("status", "queue_key", "prefill_done", "prefill_total",
                                              "num_preemptions", "front_key", "tail_key",
                                              "prompt_len", "seq_alive", "num_tokens")}
     fields.update(preempted_fields(fields, v, cap.block_size))
     blk, pairs, num_swap_in, num_copy, free_dev, free_host = _place(
-        state, cap, d, adm, swp, run, blk, pairs, host_table, free_dev, free_host)
-    new_state = _commit(state, d, q, adm, ign_reason, swp, run, fields, blk, host_table,
-                        admission_runs, prev_time, latency)
-    out = _output(d, adm, swp, run, v, pairs,
-                  jnp.stack([num_swap_out, num_swap_in, num_copy, free_dev, free_host,
-                             jnp.minimum(jnp.minimum(adm.block_slack, swp.block_slack), run.block_slack),
-                             jnp.minimum(adm.seq_slack, swp.seq_slack)]))
-    return new_state, out
+        state, cap, d, adm, swp, run, blk, pairs, free_dev, free_host)
+    new_state = _commit(state, d, q, adm, ign_reason, swp, run, fields, blk, admission_runs,
+                        prev_time, latency)
+    parts = _output(d, adm, swp, run, v, pairs,
+                    jnp.stack([num_swap_out, num_swap_in, num_copy, free_dev, free_host,
+                               jnp.minimum(jnp.minimum(adm.block_slack, swp.block_slack), run.block_slack),
+                               jnp.minimum(adm.seq_slack, swp.seq_slack)]))
+    return new_state, parts
 
 
 def _preempt(state, cap: Capacity, d: StepValues, q: Queues, run: Running, free0, host_free0):
     """Preemption (rare): each victim's mode, its device blocks freed, host blocks for swaps.
 
-    Returns (victims, blocks, host_table, pairs, num_swap_out, free device, free host)."""
+    Returns (victims, blocks, pairs, num_swap_out, free device, free host)."""
     lim = state.limits
     g = state.status.shape[0]
 
-    def preempt(blk, pairs, host_table):
+    def preempt(blk, pairs):
         run_w = q.walk(1)
         tokens = recompute_tokens(state.prompt_len, state.seq_alive, state.num_tokens, cap.block_size)
         v = pick_modes(run.preempted_w, jnp.take(d.nmax, run_w), jnp.take(d.held, run_w),
                        jnp.take(tokens, run_w), lim.preemption_mode, lim.costs, host_free0,
                        lambda *xs: q.to_slots(1, d.is_run, *xs))
-        blk, host_table, pairs, count = free_victims(blk, pairs, host_table, v, d.share,
-                                                     lim.num_host_blocks)
-        return (v, blk, host_table, pairs, count, num_free(blk.device_ref, lim.num_device_blocks),
+        blk, pairs, count = free_victims(blk, pairs, v, d.share, lim.num_host_blocks)
+        return (v, blk, pairs, count, num_free(blk.device_ref, lim.num_device_blocks),
                 num_free(blk.host_ref, lim.num_host_blocks))
 
-    def no_preempt(blk, pairs, host_table):
-        return no_victims(g), blk, host_table, pairs, jnp.int32(0), free0, host_free0
+    def no_preempt(blk, pairs):
+        return no_victims(g), blk, pairs, jnp.int32(0), free0, host_free0
 
     blk = Blocks(state.block_table, state.num_blocks, state.device_ref, state.host_ref)
-    v, blk, host_table, pairs, count, free_dev, free_host = batching.cond(
-        run.preempted.any(), preempt, no_preempt, blk, no_pairs(cap), state.host_table, same=True)
+    v, blk, pairs, count, free_dev, free_host = batching.cond(
+        run.preempted.any(), preempt, no_preempt, blk, no_pairs(cap), same=True)
     blk = blk._replace(num_blocks=jnp.where(v.recompute[:, None], 0, blk.num_blocks))
-    return v, blk, host_table, pairs, count, free_dev, free_host
+    return v, blk, pairs, count, free_dev, free_host
 
 
-def _place(state, cap: Capacity, d: StepValues, adm, swp, run, blk, pairs, host_table, free_dev,
-           free_host):
+def _place(state, cap: Capacity, d: StepValues, adm, swp, run, blk, pairs, free_dev, free_host):
     """Blocks for the scheduled groups: admitted and swapped-in tables, appends and
     copy-on-write (skipped when nothing needs one). Returns (blocks, pairs, num_swap_in,
     num_copy, free device, free host)."""
@@ -502,7 +498,7 @@ def _place(state, cap: Capacity, d: StepValues, adm, swp, run, blk, pairs, host_
 
     def place(blk, pairs, free_dev, free_host):
         blk, pairs, num_in, num_copy = placement.place(
-            blk, pairs, host_table, state.seq_alive, state.num_tokens, d, d.share,
+            blk, pairs, state.seq_alive, state.num_tokens, d, d.share,
             adm.served, swp.served, run.served, swp.skipped, lim.num_device_blocks, cap.block_size)
         return (blk, pairs, num_in, num_copy, num_free(blk.device_ref, lim.num_device_blocks),
                 num_free(blk.host_ref, lim.num_host_blocks))
@@ -514,10 +510,10 @@ def _place(state, cap: Capacity, d: StepValues, adm, swp, run, blk, pairs, host_
                          free_host, same=True)
 
 
-def _commit(state, d: StepValues, q: Queues, adm, ign_reason, swp, run, fields, blk, host_table,
+def _commit(state, d: StepValues, q: Queues, adm, ign_reason, swp, run, fields, blk,
             admission_runs, prev_time, latency) -> SchedulerState:
-    """The new state: queues and keys, ignored groups finished (swapped ones return their
-    host blocks, SPEC B2), the tables and pools, the delay gate's clock."""
+    """The new state: queues and keys, ignored groups finished (swapped ones returned their
+    host blocks in `_place`, SPEC B2), the table and pools, the delay gate's clock."""
     ignored = adm.skipped | swp.skipped
     alive = state.seq_alive
     prefill = d.in_prefill
@@ -537,7 +533,6 @@ def _commit(state, d: StepValues, q: Queues, adm, ign_reason, swp, run, fields, 
         seq_finish_reason=jnp.where(ignored[:, None] & alive, IGNORED, state.seq_finish_reason),
         num_blocks=jnp.where(ignored[:, None], 0, blk.num_blocks),
         block_table=blk.block_table,
-        host_table=jnp.where((swp.served | swp.skipped)[:, None, None], 0, host_table),
         device_ref=blk.device_ref, host_ref=blk.host_ref,
         tail_key=tail_key, front_key=fields["front_key"], step=state.step + 1,
         prev_time=prev_time, last_prompt_latency=latency,
@@ -546,21 +541,21 @@ def _commit(state, d: StepValues, q: Queues, adm, ign_reason, swp, run, fields, 
     )
 
 
-def _output(d: StepValues, adm, swp, run, v, pairs, counts) -> SchedulerOutput:
-    """What the step decided, per slot, for the engine and the cache kernels."""
+def _output(d: StepValues, adm, swp, run, v, pairs, counts) -> tuple:
+    """What the step decided, per slot, for the engine and the cache kernels: the parts of
+    `SchedulerOutput.pack` (slots, pairs, counts)."""
     prefill = d.in_prefill
     scheduled = adm.served | swp.served | run.served
     swp_chunk = jnp.where(prefill, swp.chunk, 1)      # a decode reports 1 token
     chunk = jnp.where(adm.served, adm.chunk, jnp.where(swp.served, swp_chunk, run.chunk))
     is_prefill = adm.served | ((swp.served | run.served) & prefill)
     victims = v.recompute | v.swap
-    return SchedulerOutput.pack(
-        slots=jnp.stack([scheduled, jnp.where(scheduled, chunk, 0), is_prefill & scheduled,
-                         jnp.where(scheduled, d.n_live, 0),
-                         jnp.where(v.recompute, PREEMPT_RECOMPUTE, jnp.where(v.swap, PREEMPT_SWAP, 0)),
-                         jnp.where(victims, run.preempt_order, 0), swp.served, adm.skipped | swp.skipped]
-                        ).astype(jnp.int32),
-        pairs=pairs, counts=counts)
+    slots = jnp.stack([scheduled, jnp.where(scheduled, chunk, 0), is_prefill & scheduled,
+                       jnp.where(scheduled, d.n_live, 0),
+                       jnp.where(v.recompute, PREEMPT_RECOMPUTE, jnp.where(v.swap, PREEMPT_SWAP, 0)),
+                       jnp.where(victims, run.preempt_order, 0), swp.served, adm.skipped | swp.skipped]
+                      ).astype(jnp.int32)
+    return slots, pairs, counts
 
 
 schedule_step = jax.jit(schedule_impl, static_argnames=("cap",))

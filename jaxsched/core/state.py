@@ -17,7 +17,7 @@ table, and `state.replace(field=...)` writes fields back:
 
     data: (int32[N],)  the fields of FIELDS in order, each flattened; or, when that is more
                        than ONE_LEAF_BYTES, (int32[N0], int32[N1], int32[N2]): the same
-                       without the tables and pools, block_table and host_table, then
+                       without the table and pools, block_table (and seq_key), then
                        device_ref and host_ref
     dims: (G, S, M, D, H), static (pytree aux data); with prefix caching (SPEC A10)
           (G, S, M, D, H, key bits) and the cache fields exist; (G, S, M, D, H, key bits
@@ -163,7 +163,7 @@ class Field(_Declared):
 # on 2 shared cores waiting for the other thread costs far more than the copy; three leaves
 # keep each one's rewrite under that at 1024 slots of 16-block tables. A small state stays
 # one leaf: each leaf crossing a jitted call costs a few microseconds.
-_LEAF_OF = {"block_table": 1, "host_table": 1, "seq_key": 1, "device_ref": 2, "host_ref": 2}
+_LEAF_OF = {"block_table": 1, "seq_key": 1, "device_ref": 2, "host_ref": 2}
 _POOL_FIELDS = ("key", "cached", "last_access", "hashed", "evict_seq", "num_used", "clock")
 _LEAF_OF |= {f"{pool}_{f}": 2 for pool in ("dev", "host") for f in _POOL_FIELDS}
 ONE_LEAF_BYTES = 128 * 1024
@@ -251,10 +251,13 @@ class SchedulerState:
     seq_finish_reason = Field("GS", "int32", "a FinishReason per sequence")
     num_tokens = Field("GS", "int32", "prompt + output tokens of each sequence")
     num_blocks = Field("GS", "int32", "entries used in the block table (device or host)")
-    block_table = Field("GSM", "int32", "device block ids; unused entries hold the null block 0")
-    host_table = Field("GSM", "int32", "host block ids while SWAPPED, else 0")
-    device_ref = Field("D", "int32", "references to each device block from block tables")
-    host_ref = Field("H", "int32", "references to each host block from host tables")
+    # One table for both pools: a group's blocks are all on the device or all on the host,
+    # and its status says which; so no step carries (and copies) a second [G, S, M] table.
+    block_table = Field("GSM", "int32", "block ids of each sequence: device blocks, or host blocks "
+                        "while SWAPPED; unused entries hold the null block 0")
+    device_ref = Field("D", "int32", "references to each device block from the tables of groups "
+                       "on the device")
+    host_ref = Field("H", "int32", "references to each host block from the tables of SWAPPED groups")
     # SPEC A10 (prefix caching), only with Capacity.enable_prefix_caching: the pools are
     # prefix_cache.PrefixPools whose ref counts are device_ref and host_ref.
     seq_key = Field("GS2M", "uint32", "content key of each block of each sequence (two words of "
@@ -592,7 +595,7 @@ def empty_state(cap: Capacity, limits: Limits, seed, artificial_count) -> Schedu
         prompt_len=zi(g), n=zi(g), max_tokens=zi(g), forked=jnp.zeros((g,), bool),
         prefill_done=zi(g), prefill_total=zi(g), num_preemptions=zi(g),
         seq_alive=jnp.zeros((g, s), bool), seq_finish_reason=zi(g, s), num_tokens=zi(g, s),
-        num_blocks=zi(g, s), block_table=zi(g, s, m), host_table=zi(g, s, m),
+        num_blocks=zi(g, s), block_table=zi(g, s, m),
         device_ref=zi(cap.num_device_blocks + 1), host_ref=zi(cap.num_host_blocks + 1),
         tail_key=jnp.asarray(0, jnp.int32), front_key=jnp.asarray(-1, jnp.int32),
         step=jnp.asarray(0, jnp.int32),

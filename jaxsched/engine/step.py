@@ -35,7 +35,7 @@ from jaxsched.engine.params import MAX_LOGPROBS
 from jaxsched.engine.prefix_reuse import PrefixReuse, cached_prefix_tokens, empty_reuse, mark_ready
 from jaxsched.engine.sampling import apply_penalties, sample, token_key, top_logprobs
 from jaxsched.core.scheduler import schedule_step
-from jaxsched.core.state import FINISHED, SchedulerState, init_state
+from jaxsched.core.state import FINISHED, SWAPPED, SchedulerState, init_state
 
 
 @struct.dataclass
@@ -307,7 +307,8 @@ def plan_impl(state: EngineState, new: NewRequests, now, spec: EngineSpec) -> tu
     gs = jnp.clip(gs_of_row, 0, g * s - 1)
     row_g, row_s = gs // s, gs % s
     logits_index = jnp.where(live_row, fb.sample_index.reshape(-1)[gs], 0)
-    block_tables = sched.block_table.reshape(g * s, -1)
+    # A swapped group's row holds host blocks: the null block for the attention kernels.
+    block_tables = jnp.where((sched.status == SWAPPED)[:, None, None], 0, sched.block_table).reshape(g * s, -1)
     context_lens = sched.num_tokens.reshape(-1)
     plan = StepPlan(sched=sched, out=out, fb=fb, row_g=row_g, row_s=row_s, gs=gs, live_row=live_row,
                     logits_index=logits_index, block_tables=block_tables, context_lens=context_lens,
