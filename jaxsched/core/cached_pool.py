@@ -104,17 +104,16 @@ def preempt(ctx: Ctx, g, swap) -> Ctx:
 
     def recompute(ctx):
         dev = pc.free(ctx.dev, ctx.table[g].reshape(-1), valid.reshape(-1))
-        return ctx._replace(dev=dev, num_blocks=ctx.num_blocks.at[g].set(0))
+        return ctx._replace(dev=dev, table=ctx.table.at[g].set(0),
+                            num_blocks=ctx.num_blocks.at[g].set(0))
 
     def swap_out(ctx):
+        # The row now holds the host blocks (a swapped group's table is on the host).
         dev, host, mapped, first = _move(ctx.dev, ctx.host, ctx.table[g], valid)
         ctx = _push_pairs(ctx, SWAP_OUT, ctx.table[g], mapped, first)
         return ctx._replace(dev=dev, host=host, table=ctx.table.at[g].set(mapped))
 
-    def recompute_then_clear(ctx):
-        return recompute(ctx)._replace(table=ctx.table.at[g].set(0))
-
-    return lax.cond(swap, swap_out, recompute_then_clear, ctx)
+    return lax.cond(swap, swap_out, recompute, ctx)
 
 
 def swap_in(ctx: Ctx, st: Step, g) -> Ctx:

@@ -103,38 +103,31 @@ def pick_modes(victims_w, nmax_w, held_w, tokens_w, mode, costs, host_free,
 
 def free_victims(blk: Blocks, pairs, v: Victims, share, num_host_active):
     """Free victims' device blocks; give swap victims host blocks (shared blocks once),
-    which their table rows then hold.
+    which their table rows then hold (a recompute victim's row is cleared).
 
     `share` is (valid, holder, is_first) of the step-start tables. Returns the new blocks
     (the caller zeroes recompute victims' num_blocks), the pair lists with the (device,
-    host) swap-out row written, and the number of swap-out pairs. Both passes work on the
+    host) swap-out row written, and the number of swap-out pairs. The pass works on the
     victims' rows alone (`on_rows`): a step preempts a few groups.
     """
     valid, holder, is_first = share
-    victims = v.recompute | v.swap
-
-    def release(at, table, valid, victim):
-        entries = valid & victim[:, None, None]
-        device_ref = add_refs(blk.device_ref, table, entries, -1)
-        return device_ref, put_rows(blk.block_table, at, jnp.where(victim[:, None, None], 0, table))
-
-    device_ref, released = on_rows(victims, release, blk.block_table, valid, victims)
     # Host blocks for the unique device blocks of swap victims, lowest free first: ranks in
     # flat order over the rows taken are ranks over the table (untaken rows hold none).
     free_host = free_list(blk.host_ref, num_host_active)
 
-    def swap_out(at, table, valid, holder, is_first, swap, rows_now):
+    def victims_rows(at, table, valid, holder, is_first, victim, swap):
+        device_ref = add_refs(blk.device_ref, table, valid & victim[:, None, None], -1)
         entries = valid & swap[:, None, None]
         fresh = entries & is_first
         host_new = jnp.take_along_axis(take_ranked(free_host, mask_rank(fresh), fresh), holder, axis=1)
-        rows = jnp.where(swap[:, None, None], jnp.where(entries, host_new, 0), rows_now)
+        rows = jnp.where(victim[:, None, None], jnp.where(entries, host_new, 0), table)
         host_ref = add_refs(blk.host_ref, rows, entries, 1)
         out, count = write_pairs(pairs, SWAP_OUT, table, host_new, fresh)
-        return put_rows(released, at, rows), host_ref, out, count
+        return put_rows(blk.block_table, at, rows), device_ref, host_ref, out, count
 
-    # The device ids come from the step-start table, the rows are written over the released one.
-    block_table, host_ref, pairs, count = on_rows(v.swap, swap_out, blk.block_table, valid, holder,
-                                                  is_first, v.swap, released)
+    victims = v.recompute | v.swap
+    block_table, device_ref, host_ref, pairs, count = on_rows(
+        victims, victims_rows, blk.block_table, valid, holder, is_first, victims, v.swap)
     return blk._replace(block_table=block_table, device_ref=device_ref, host_ref=host_ref), pairs, count
 
 

@@ -279,8 +279,8 @@ def _basics(state: SchedulerState, cap: Capacity, totals=None) -> StepValues:
     leader = jnp.argmax(alive, axis=1)
     group_tokens = jnp.take_along_axis(state.num_tokens, leader[:, None], axis=1)[:, 0]
     # Host blocks for swapped groups: they share as their device blocks did (copy-on-write).
-    need_new, cow = append_plan(state.block_table, state.num_blocks, alive, group_tokens, ~in_prefill,
-                                cap.block_size)
+    need_new, cow = append_plan(state.block_table, state.num_blocks, alive, group_tokens,
+                                ~in_prefill, cap.block_size)
     appends = (need_new | cow).sum(1, dtype=jnp.int32)
     # One reduction for the queue sizes and the running queue's token and block needs.
     budget = state.limits.max_num_batched_tokens

@@ -308,7 +308,8 @@ def plan_impl(state: EngineState, new: NewRequests, now, spec: EngineSpec) -> tu
     row_g, row_s = gs // s, gs % s
     logits_index = jnp.where(live_row, fb.sample_index.reshape(-1)[gs], 0)
     # A swapped group's row holds host blocks: the null block for the attention kernels.
-    block_tables = jnp.where((sched.status == SWAPPED)[:, None, None], 0, sched.block_table).reshape(g * s, -1)
+    swapped = (sched.status == SWAPPED)[:, None, None]
+    block_tables = jnp.where(swapped, 0, sched.block_table).reshape(g * s, -1)
     context_lens = sched.num_tokens.reshape(-1)
     plan = StepPlan(sched=sched, out=out, fb=fb, row_g=row_g, row_s=row_s, gs=gs, live_row=live_row,
                     logits_index=logits_index, block_tables=block_tables, context_lens=context_lens,
