@@ -320,6 +320,26 @@ def test_sweep__workers_compile_the_chunk_through_the_persistent_cache(tmp_path)
         assert got.returncode == 0 and got.stdout.startswith("ok"), got.stderr[-3000:]
 
 
+def test_sweep__resumed_states_move_on_the_host_on_cpu_and_on_the_device_elsewhere(monkeypatch):
+    """A resumed run's start state is read and put in place with numpy on the CPU backend (no
+    gather or scatter compiled per index shape), with jitted ones elsewhere: same rows."""
+    from jaxsched.sim import sweep as sw
+
+    def compiled(*args):
+        raise AssertionError("a row gather or scatter was compiled on the CPU backend")
+    kw = dict(capacity=CAPACITY, vmap_runs=1, threads=2, progress=False, prune=True)
+    with monkeypatch.context() as m:
+        m.setattr(sw, "_take_rows", compiled)
+        m.setattr(sw, "_put_rows", compiled)
+        host_stats = {}
+        on_host = sweep(TRACE, **GRID, **kw, stats=host_stats)
+    monkeypatch.setattr(sw, "_on_cpu", lambda carry: False)
+    device_stats = {}
+    on_device = sweep(TRACE, **GRID, **kw, stats=device_stats)
+    assert host_stats["resumed"] > 0 and device_stats["resumed"] == host_stats["resumed"]
+    assert on_host == on_device
+
+
 def test_sweep__vmapped_runs_resume_from_another_runs_state_too(vmapped):
     """prune=True on the vmap path: runs that start late share a batch with runs that start
     at step 0 (per-run first steps and clocks under jax.vmap); rows equal every run's."""
