@@ -325,12 +325,14 @@ def test_sweep__resumed_states_move_on_the_host_on_cpu_and_on_the_device_elsewhe
     gather or scatter compiled per index shape), with jitted ones elsewhere: same rows."""
     from jaxsched.sim import sweep as sw
 
-    def compiled(*args):
-        raise AssertionError("a row gather or scatter was compiled on the CPU backend")
+    real = sw._compiled
+
+    def no_row_programs(fn, *args, **kwargs):
+        assert fn not in (sw._take_rows, sw._put_rows), "a row gather or scatter compiled on the CPU backend"
+        return real(fn, *args, **kwargs)
     kw = dict(capacity=CAPACITY, vmap_runs=1, threads=2, progress=False, prune=True)
     with monkeypatch.context() as m:
-        m.setattr(sw, "_take_rows", compiled)
-        m.setattr(sw, "_put_rows", compiled)
+        m.setattr(sw, "_compiled", no_row_programs)
         host_stats = {}
         on_host = sweep(TRACE, **GRID, **kw, stats=host_stats)
     monkeypatch.setattr(sw, "_on_cpu", lambda carry: False)
