@@ -246,8 +246,8 @@ def _serve() -> None:
             elif command == "advance":
                 carry, rec = exe(carry, *consts, *args)
                 value = np.asarray(rec)
-            elif command == "rows":     # on the host: no compile of a gather per index shape
-                value = jax.tree.map(lambda x: np.asarray(x)[args[0]], carry)
+            elif command == "rows":     # a worker's carry is on the CPU: read on the host
+                value = sw._rows(carry, args[0], {})
             elif command == "per_request":
                 value = np.asarray(carry[1])
             elif command == "ping":         # answered once JAX and jaxsched are imported
