@@ -17,13 +17,13 @@
 
 from __future__ import annotations
 
-import os
 import pathlib
 import re
 from typing import Any
 
 import numpy as np
 
+from models.gguf_file import open_gguf
 from models.host import aligned_empty
 
 __all__ = [
@@ -80,36 +80,9 @@ def find_smollm2_gguf() -> pathlib.Path:
 # --------------------------------------------------------------------------------------------
 
 
-def _field_value(field) -> Any:
-    """A GGUF ReaderField as a plain Python value (str, int, float, bool, or list thereof)."""
-    import gguf
-
-    value = field.contents()
-    if isinstance(value, np.generic):
-        value = value.item()
-    if isinstance(value, list):
-        value = [v.item() if isinstance(v, np.generic) else v for v in value]
-    if field.types and field.types[0] == gguf.GGUFValueType.BOOL and not isinstance(value, list):
-        value = bool(value)
-    return value
-
-
-def _open_reader(path):
-    import gguf
-
-    path = pathlib.Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"GGUF file not found: {path}")
-    try:
-        return gguf.GGUFReader(os.fspath(path))
-    except Exception as exc:  # gguf raises ValueError / struct errors on a bad file
-        raise ValueError(f"{path} is not a readable GGUF file: {exc}") from exc
-
-
 def read_gguf_metadata(path) -> dict[str, Any]:
     """Only the key/value metadata of a GGUF file (no tensor is dequantized)."""
-    reader = _open_reader(path)
-    return {name: _field_value(field) for name, field in reader.fields.items()}
+    return open_gguf(path)[0]
 
 
 def hf_config_from_gguf_metadata(metadata: dict[str, Any], tensor_names=()) -> dict[str, Any]:
@@ -247,15 +220,15 @@ _CHUNK_VALUES = 1 << 21
 
 
 def _dequantize(tensor) -> np.ndarray:
-    """A GGUF ReaderTensor as float32 numpy, in numpy (row-major, HF) dimension order.
+    """A GGUF tensor (`models.gguf_file.TensorInfo`) as float32 numpy, in numpy (row-major, HF) dimension order.
 
-    A new aligned array, never a view into the reader's memory map. Quantized tensors are
+    A new aligned array, never a view into the file's memory map. Quantized tensors are
     dequantized a block of rows at a time, so the only full-size array is the result."""
     import gguf
 
     qtype = tensor.tensor_type
     # GGUF lists dims fastest-varying first (ggml ne[0] = row length); numpy wants the reverse.
-    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    shape = tuple(reversed(tensor.shape))
     data = tensor.data
     if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.F64):
         def convert(rows):
@@ -292,13 +265,13 @@ class GGUFTensor:
 
     Array-like: `shape` and `dtype` without reading anything, ``np.asarray(t)`` (or
     `read()`) for the float array (rotary rows un-permuted, cast to `dtype`). The quantized
-    bytes stay in the reader's memory map until then, so a loader that places tensors one
+    bytes stay in the file's memory map until then, so a loader that places tensors one
     at a time never holds a float copy of the whole model on the host.
     """
 
     def __init__(self, tensor, n_head: int | None, dtype=np.float32):
         self._tensor, self._n_head, self.dtype = tensor, n_head, np.dtype(dtype)
-        self.shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        self.shape = tuple(reversed(tensor.shape))
         self.ndim = len(self.shape)
 
     def read(self) -> np.ndarray:
@@ -330,9 +303,8 @@ def read_gguf(path, dtype=np.float32, lazy: bool = False
     A loader that places and drops them one by one (``models.loader``) then never holds the
     whole model in float32 on the host.
     """
-    reader = _open_reader(path)
-    metadata = {name: _field_value(field) for name, field in reader.fields.items()}
-    gguf_names = [t.name for t in reader.tensors]
+    metadata, entries = open_gguf(path)
+    gguf_names = [t.name for t in entries]
     if "rope_freqs.weight" in gguf_names:
         raise ValueError(
             f"{path}: the GGUF tensor 'rope_freqs.weight' (Llama 3.1-style rope scaling) is not supported"
@@ -341,7 +313,7 @@ def read_gguf(path, dtype=np.float32, lazy: bool = False
     n_head, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
 
     tensors: dict[str, np.ndarray] = {}
-    for tensor in reader.tensors:
+    for tensor in entries:
         hf_name = gguf_name_to_hf(tensor.name)
         heads = n_head if ".attn_q." in tensor.name else n_kv if ".attn_k." in tensor.name else None
         w = GGUFTensor(tensor, heads, dtype)

@@ -322,13 +322,90 @@ def test_tiny_gguf_roundtrip(tmp_path, tied):
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "<s>hi</s>"
 
 
-def test_read_gguf_bad_inputs(tmp_path):
+def _reader_values(path) -> dict:
+    """Every field and tensor of a GGUF file as gguf's own reader gives them (the reference)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    fields = {}
+    for name, field in reader.fields.items():
+        value = field.contents()
+        value = [v.item() if isinstance(v, np.generic) else v for v in value] if isinstance(value, list) else value
+        value = value.item() if isinstance(value, np.generic) else value
+        if field.types[0] == gguf.GGUFValueType.BOOL:
+            value = bool(value)
+        fields[name] = value
+    return fields, reader.tensors
+
+
+def _assert_reads_like_gguf_reader(path):
+    from models.gguf_file import open_gguf
+
+    metadata, tensors = open_gguf(path)
+    fields, ref_tensors = _reader_values(path)
+    assert list(metadata) == list(fields)
+    for key, want in fields.items():
+        assert metadata[key] == want and type(metadata[key]) is type(want), key
+    assert [t.name for t in tensors] == [t.name for t in ref_tensors]
+    for got, want in zip(tensors, ref_tensors):
+        assert got.tensor_type == want.tensor_type and got.shape == tuple(want.shape.tolist()), got.name
+        assert got.data.dtype == want.data.dtype and got.data.shape == want.data.shape, got.name
+        np.testing.assert_array_equal(got.data, want.data, err_msg=got.name)
+
+
+def test_gguf_file__reads_what_gguf_reader_reads_on_the_embedded_model(gguf_path):
+    _assert_reads_like_gguf_reader(gguf_path)
+
+
+@pytest.mark.parametrize("order", ["little", "big"])
+def test_gguf_file__every_value_type_in_either_byte_order(tmp_path, order):
+    gguf = pytest.importorskip("gguf")
+    path = tmp_path / f"kinds-{order}.gguf"
+    endian = gguf.GGUFEndian.BIG if order == "big" else gguf.GGUFEndian.LITTLE
+    w = gguf.GGUFWriter(str(path), "llama", endianess=endian)
+    w.add_uint8("k.u8", 200)
+    w.add_int8("k.i8", -5)
+    w.add_uint16("k.u16", 60000)
+    w.add_int16("k.i16", -300)
+    w.add_uint32("k.u32", 4_000_000_000)
+    w.add_int32("k.i32", -7)
+    w.add_float32("k.f32", 0.1)
+    w.add_uint64("k.u64", 1 << 40)
+    w.add_int64("k.i64", -(1 << 40))
+    w.add_float64("k.f64", 0.1)
+    w.add_bool("k.bool", True)
+    w.add_string("k.str", "héllo ✓")
+    w.add_array("k.ints", [1, -2, 3])
+    w.add_array("k.floats", [0.5, 0.25])
+    w.add_array("k.strs", ["a", "", "ü", "Ġw"])
+    w.add_array("k.bools", [True, False])
+    w.add_uint32("general.alignment", 64)
+    w.add_tensor("a.weight", np.arange(12, dtype=np.float32).reshape(3, 4))
+    w.add_tensor("b.weight", np.arange(64, dtype=np.float16).reshape(2, 32))
+    w.add_tensor("c.weight", gguf.quants.quantize(np.linspace(-1, 1, 64, dtype=np.float32).reshape(2, 32),
+                                                  gguf.GGMLQuantizationType.Q8_0),
+                 raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    _assert_reads_like_gguf_reader(path)
+
+
+def test_read_gguf_bad_inputs(tmp_path, gguf_path):
     with pytest.raises(FileNotFoundError, match="nope.gguf"):
         read_gguf(tmp_path / "nope.gguf")
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"not a gguf file at all" * 10)
     with pytest.raises(ValueError, match="bad.gguf"):
         read_gguf(bad)
+    # A real file cut short: inside the vocabulary, then inside the tensors' data.
+    whole = gguf_path.read_bytes()
+    for size in (100_000, len(whole) - 1000):
+        cut = tmp_path / f"cut{size}.gguf"
+        cut.write_bytes(whole[:size])
+        with pytest.raises(ValueError, match=f"cut{size}.gguf.*(runs past|unpack)"):
+            read_gguf(cut)
 
 
 # ------------------------------------------------------------------------------------------
