@@ -260,3 +260,18 @@ def test_engine__streaming_yields_tokens_as_they_arrive(model):
         assert toks[:len(prev)] == prev and len(toks) >= len(prev)   # grows, never rewrites
         seen[out.request_id] = toks
     assert sorted(len(t) for t in seen.values()) == [6, 6, 6]
+
+
+def test_engine__the_plan_compiles_for_speed_of_compile_on_cpu_only(model):
+    """The scheduler's half of the step takes LLVM -O0 and the classic emitters on the CPU
+    backend; the model and finish keep XLA's options, and other backends keep them all."""
+    from jaxsched.engine import compile_options as co
+    from jaxsched.engine.step import jitted_part
+    assert co.part_options("plan", "cpu") == co.FAST_COMPILE
+    assert co.part_options("model", "cpu") == co.part_options("finish", "cpu") == ()
+    assert co.part_options("plan", "gpu") == co.part_options("plan", "tpu") == ()
+    with pytest.raises(ValueError, match="part must be one of"):
+        co.part_options("sample", "cpu")
+    lazy = make_llm(model, num_device_blocks=24)._step
+    assert lazy._plan is jitted_part("plan", co.part_options("plan"))
+    assert lazy._model is jitted_part("model", ()) and lazy._finish is jitted_part("finish", ())

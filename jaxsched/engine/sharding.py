@@ -318,15 +318,19 @@ class MeshStepParts:
     """
 
     def __init__(self, spec, state, params):
+        from jaxsched.engine.compile_options import part_options
         from jaxsched.engine.step import finish_impl, plan_impl
         self.spec = spec
+        self._options = {part: dict(part_options(part)) or None for part in ("plan", "model", "finish")}
         replicated = NamedSharding(state.kv.k.sharding.mesh, P())
         state_sh = jax.tree.map(lambda x: x.sharding, state)
         self._params_sh = jax.tree.map(lambda x: x.sharding, params)
         self._kv_sh, self._replicated = state_sh.kv, replicated
         self._plan = jax.jit(functools.partial(plan_impl, spec=spec), donate_argnums=(0,),
+                             compiler_options=self._options["plan"],
                              in_shardings=(state_sh, replicated, replicated), out_shardings=(state_sh, replicated))
         self._finish = jax.jit(functools.partial(finish_impl, spec=spec), donate_argnums=(0,),
+                               compiler_options=self._options["finish"],
                                in_shardings=(state_sh, replicated, replicated),
                                out_shardings=(state_sh, replicated))
         self.models: dict[int, Callable] = {}           # token bucket -> its jitted model part
@@ -345,6 +349,7 @@ class MeshStepParts:
             from jaxsched.engine.step import model_impl
             self.models[size] = jax.jit(
                 functools.partial(model_impl, spec=spec, size=size), donate_argnums=(1,),
+                compiler_options=self._options["model"],
                 in_shardings=(self._params_sh, self._kv_sh, self._replicated),
                 out_shardings=(self._replicated, self._kv_sh))
         return self.models[size](params, kv, plan)

@@ -18,6 +18,7 @@ to drive it, with the same results:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Any, Callable, NamedTuple
 
@@ -28,6 +29,7 @@ from jax import lax
 
 from jaxsched.cache import kv_cache as kvc
 from jaxsched.cache.attention import AttentionMetadata
+from jaxsched.engine import compile_options
 from jaxsched.engine.batch import flat_batch
 from jaxsched.core.config import Capacity, SchedulerConfig
 from jaxsched.core.requests import RequestBatch, add_requests, free_finished, update
@@ -404,9 +406,15 @@ def step_impl(state: EngineState, params, new: NewRequests, now, spec: EngineSpe
 
 step = jax.jit(step_impl, static_argnames=("spec",), donate_argnums=(0,))
 
-_plan = jax.jit(plan_impl, static_argnames=("spec",), donate_argnums=(0,))
-_model = jax.jit(model_impl, static_argnames=("spec", "size"), donate_argnums=(1,))
-_finish = jax.jit(finish_impl, static_argnames=("spec",), donate_argnums=(0,))
+
+
+@functools.cache
+def jitted_part(part: str, options: compile_options.Options = ()) -> Callable:
+    """`LazyStep`'s `part` ("plan", "model" or "finish") jitted with XLA compile `options`
+    (`compile_options.part_options`); one per (part, options), so engines share programs."""
+    impl, static, donate = {"plan": (plan_impl, ("spec",), 0), "model": (model_impl, ("spec", "size"), 1),
+                            "finish": (finish_impl, ("spec",), 0)}[part]
+    return jax.jit(impl, static_argnames=static, donate_argnums=(donate,), compiler_options=dict(options) or None)
 
 
 def bucket_for(buckets: tuple[int, ...], num_tokens: int) -> int:
@@ -424,7 +432,10 @@ class LazyStep:
     the calls that compiled something.
     """
 
-    def __init__(self, spec: EngineSpec, plan=_plan, model=_model, finish=_finish):
+    def __init__(self, spec: EngineSpec, plan=None, model=None, finish=None):
+        # Each part by default with its own compile options (engine/compile_options.py).
+        plan, model, finish = (fn or jitted_part(name, compile_options.part_options(name))
+                               for name, fn in (("plan", plan), ("model", model), ("finish", finish)))
         self.spec, self._plan, self._model, self._finish = spec, plan, model, finish
         self.compiled: list[int] = []
         self.compile_seconds = 0.0
