@@ -21,11 +21,14 @@ from jaxsched.entrypoints.xla_flags import use_xla_flags  # noqa: E402
 
 use_xla_flags("--xla_cpu_use_fusion_emitters=false", "--xla_backend_optimization_level=0")
 
+import contextlib  # noqa: E402
+
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from jaxsched.core.state import Status  # noqa: E402
+from jaxsched.engine import compile_options  # noqa: E402
 
 jax.config.update("jax_cpu_enable_async_dispatch", False)
 
@@ -97,6 +100,20 @@ def drive(config: SchedulerConfig, requests: list[dict], *, step_time: float = 1
         if len(done) == len(requests):
             return steps, state, done
     raise AssertionError(f"{len(requests) - len(done)} requests unfinished after {max_steps} steps")
+
+
+@contextlib.contextmanager
+def optimized_model_parts():
+    """Engines built inside compile their model and finish parts with XLA's own optimization
+    (`compile_options.OPTIMIZED`), not the suite's -O0: SmolLM2's steps run about 4x slower
+    at -O0, and a test that generates a few hundred of its tokens spent more time there than
+    the compile saves. (The tiny models elsewhere are the other way round.)"""
+    saved = dict(compile_options.CPU_PART_OPTIONS)
+    compile_options.CPU_PART_OPTIONS.update(model=compile_options.OPTIMIZED, finish=compile_options.OPTIMIZED)
+    try:
+        yield
+    finally:
+        compile_options.CPU_PART_OPTIONS.update(saved)
 
 
 @pytest.fixture

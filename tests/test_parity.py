@@ -31,6 +31,7 @@ from jaxsched.engine.params import SamplingParams
 from models.gguf import find_smollm2_gguf, read_gguf
 from models.llama import dense_forward
 from models.loader import load_model
+from conftest import optimized_model_parts
 from test_loaders import require
 
 NEW_TOKENS = 32
@@ -190,9 +191,10 @@ def smol(tmp_path_factory):
                                                            dtype=torch.float32).eval()
     # One engine, one compile: chunked prefill in 16-token steps keeps one token bucket, so the
     # 30 layers compile once (the tiny models above take the unchunked path).
-    llm = LLM("smollm2-135m", attention_impl="reference", block_size=16, num_slots=8,
-              max_seqs_per_group=1, max_num_seqs=4, max_num_batched_tokens=16,
-              enable_chunked_prefill=True, max_model_len=128, num_device_blocks=32, num_host_blocks=0)
+    with optimized_model_parts():
+        llm = LLM("smollm2-135m", attention_impl="reference", block_size=16, num_slots=8,
+                  max_seqs_per_group=1, max_num_seqs=4, max_num_batched_tokens=16,
+                  enable_chunked_prefill=True, max_model_len=128, num_device_blocks=32, num_host_blocks=0)
     return types.SimpleNamespace(hf=hf, hf_tok=hf_tok, llm=llm)
 
 

@@ -112,8 +112,10 @@ def small_server():
 
 @pytest.fixture(scope="module")
 def offline():
+    from conftest import optimized_model_parts
     from jaxsched.entrypoints.llm import LLM
-    return LLM(MODEL, **ROOMY)
+    with optimized_model_parts():            # the servers' model and finish programs, too
+        return LLM(MODEL, **ROOMY)
 
 
 def _client(base: str, key: str = KEY, cls=openai.OpenAI):
