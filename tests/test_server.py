@@ -1,11 +1,11 @@
 """`jaxsched serve` as a real process on a loopback port, driven by the official `openai` client.
 
-Two servers, each started once per module (the first compile of SmolLM2 is the slow part):
-  * `server`: a roomy cache, an API key and a short waiting queue (auth and 503s);
-  * `small_server`: prefix caching on, and a cache so small that 48 concurrent streams of six
-    prompts preempt by recompute (single sequences) and by swap (n=2 groups), with a quarter
-    of them hanging up mid-stream.
-Greedy outputs are checked against the offline `LLM` (prefix caching off) on the same prompts.
+One server, started once per module (its start, SmolLM2's load and compile, is the slow
+part): an API key (auth), a waiting queue of 56 (a burst past it gets 503s), prefix caching
+on, and a cache so small that 48 concurrent streams of six prompts preempt by recompute
+(single sequences) and by swap (n=2 groups), with a quarter of them hanging up mid-stream.
+Greedy outputs are checked against the offline `LLM` (a roomy cache, prefix caching off) on
+the same prompts: preemption and cached prefixes change no output.
 """
 from __future__ import annotations
 
@@ -27,12 +27,13 @@ from jaxsched.engine.params import SamplingParams
 
 MODEL = "smollm2-135m"
 KEY = "test-key"
-# One engine shape for both servers and the offline LLM; only the block counts differ, and
-# the pools' capacity is the same, so all three run the same executables.
+# One engine shape for the server and the offline LLM; only the block counts differ, and the
+# pools' capacity is the same, so both run the same model executables.
 ENGINE = dict(block_size=16, max_num_seqs=8, num_slots=16, max_num_batched_tokens=64, max_model_len=256,
               num_device_blocks_capacity=64, num_host_blocks_capacity=64)
 ROOMY = dict(ENGINE, num_device_blocks=64, num_host_blocks=64)
 SMALL = dict(ENGINE, num_device_blocks=12, num_host_blocks=64)
+MAX_WAITING = 56                # above the load test's 48 streams, below the 503 test's burst
 START_TIMEOUT_S = 900          # a cold compile of SmolLM2 on a small CPU
 PROMPTS = ["The capital of France is", "Once upon a time,", "def fibonacci(n):",
            "The three primary colors are", "In 1969, the first", "A KV cache stores"]
@@ -98,16 +99,11 @@ def _stop(proc, sig=signal.SIGINT) -> int:
 
 @pytest.fixture(scope="module")
 def server():
-    proc, base = _start(ROOMY, "--max-waiting-requests", "6", env={"JAXSCHED_API_KEY": KEY})
+    proc, base = _start(SMALL, "--max-waiting-requests", str(MAX_WAITING), "--enable-prefix-caching",
+                        env={"JAXSCHED_API_KEY": KEY})
     yield base
-    assert _stop(proc) == 0
-
-
-@pytest.fixture(scope="module")
-def small_server():
-    proc, base = _start(SMALL, "--max-waiting-requests", "256", "--enable-prefix-caching")
-    yield base
-    assert _stop(proc, signal.SIGTERM) == 0          # a service manager's stop is a clean exit
+    # A service manager's stop is a clean exit (uvicorn takes SIGINT, Ctrl-C, the same way).
+    assert _stop(proc, signal.SIGTERM) == 0
 
 
 @pytest.fixture(scope="module")
@@ -329,28 +325,29 @@ def test_auth(server):
 
 
 def test_backpressure_503_past_the_queue_limit(server):
+    """A burst of 128 at once: more than the waiting queue and the running batch hold."""
     async def one(client, i):
         try:
             res = await client.completions.create(model=MODEL, prompt=PROMPTS[i % len(PROMPTS)],
-                                                  max_tokens=48, temperature=0, extra_body={"ignore_eos": True})
+                                                  max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
             return res.usage.completion_tokens
         except openai.APIStatusError as e:
             return e
 
     async def burst():
         async with _client(server, cls=openai.AsyncOpenAI) as client:
-            return await asyncio.wait_for(asyncio.gather(*(one(client, i) for i in range(32))), 600)
+            return await asyncio.wait_for(asyncio.gather(*(one(client, i) for i in range(128))), 600)
 
     results = asyncio.run(burst())
     refused = [r for r in results if not isinstance(r, int)]
     assert refused and all(r.status_code == 503 and "max-waiting-requests" in r.message for r in refused)
-    assert all(r == 48 for r in results if isinstance(r, int))
+    assert all(r == 8 for r in results if isinstance(r, int))
     assert len(refused) < len(results)
     assert httpx.get(server + "/health").status_code == 200
 
 
 # ----------------------------------------------------------------------------- load with faults
-def test_load_with_disconnects_preemption_and_bad_requests(small_server, offline):
+def test_load_with_disconnects_preemption_and_bad_requests(server, offline):
     """48 streams on 12 blocks with prefix caching: preempted by recompute and swap, a quarter
     hang up, some are bad; every finished stream is the offline engine's greedy text."""
     max_tokens = 20
@@ -379,7 +376,7 @@ def test_load_with_disconnects_preemption_and_bad_requests(small_server, offline
         return "bad"
 
     async def load():
-        async with _client(small_server, cls=openai.AsyncOpenAI) as client:
+        async with _client(server, cls=openai.AsyncOpenAI) as client:
             jobs = [stream(client, i) for i in range(48)] + [bad(client, i) for i in range(6)]
             return await asyncio.wait_for(asyncio.gather(*jobs), 600)
 
@@ -388,10 +385,10 @@ def test_load_with_disconnects_preemption_and_bad_requests(small_server, offline
     assert len(done) == 36 and results.count("bad") == 6
     for prompt, texts in done:
         assert texts == [want[prompt]] * len(texts), prompt
-    assert httpx.get(small_server + "/health").status_code == 200
+    assert httpx.get(server + "/health").status_code == 200
 
     deadline = time.monotonic() + 120            # aborted requests finish at the next step
-    while (m := _metrics(small_server))["vllm:num_requests_running"] and time.monotonic() < deadline:
+    while (m := _metrics(server))["vllm:num_requests_running"] and time.monotonic() < deadline:
         time.sleep(0.5)
     assert m["jaxsched:num_preemptions_by_mode_total[recompute]"] > 0
     assert m["jaxsched:num_preemptions_by_mode_total[swap]"] > 0
