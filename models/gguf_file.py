@@ -19,25 +19,28 @@ import pathlib
 import struct
 from typing import Any, NamedTuple
 
+import gguf
 import numpy as np
 
 __all__ = ["TensorInfo", "open_gguf"]
 
 _MAGIC = b"GGUF"
 _VERSIONS = (2, 3)
-_DEFAULT_ALIGNMENT = 32
 
-# GGUF value types (gguf.GGUFValueType): numpy dtype of each fixed-size one.
-_UINT8, _INT8, _UINT16, _INT16, _UINT32, _INT32, _FLOAT32, _BOOL, _STRING, _ARRAY, _UINT64, _INT64, _FLOAT64 = range(13)
-_SCALARS = {_UINT8: "u1", _INT8: "i1", _UINT16: "u2", _INT16: "i2", _UINT32: "u4", _INT32: "i4",
-            _FLOAT32: "f4", _BOOL: "?", _UINT64: "u8", _INT64: "i8", _FLOAT64: "f8"}
+_V, _Q = gguf.GGUFValueType, gguf.GGMLQuantizationType
+# The numpy dtype of each fixed-size GGUF value type.
+_SCALARS = {_V.UINT8: "u1", _V.INT8: "i1", _V.UINT16: "u2", _V.INT16: "i2", _V.UINT32: "u4", _V.INT32: "i4",
+            _V.FLOAT32: "f4", _V.BOOL: "?", _V.UINT64: "u8", _V.INT64: "i8", _V.FLOAT64: "f8"}
+# Tensor types stored as plain numpy values (the others are quantized blocks of bytes).
+_PLAIN = {_Q.F16: np.float16, _Q.F32: np.float32, _Q.F64: np.float64, _Q.I8: np.int8, _Q.I16: np.int16,
+          _Q.I32: np.int32, _Q.I64: np.int64}
 
 
 class TensorInfo(NamedTuple):
     """One tensor's entry: ``shape`` in GGUF's order (fastest-varying dimension first), its
     ggml type, and ``data``, a read-only view into the mapped file."""
     name: str
-    tensor_type: Any            # gguf.GGMLQuantizationType
+    tensor_type: gguf.GGMLQuantizationType
     shape: tuple[int, ...]
     data: np.ndarray
 
@@ -68,9 +71,9 @@ class _Cursor:
         return text
 
     def value(self, vtype: int) -> Any:
-        if vtype == _STRING:
+        if vtype == _V.STRING:
             return self.string()
-        if vtype == _ARRAY:
+        if vtype == _V.ARRAY:
             itype, count = self.unpack("I"), self.unpack("Q")
             if itype in _SCALARS:
                 dtype = np.dtype(_SCALARS[itype]).newbyteorder(self.order)
@@ -91,17 +94,11 @@ class _Cursor:
 
 def _tensor_data(mapped: np.ndarray, qtype, shape: tuple[int, ...], offset: int, name: str,
                  order: str) -> np.ndarray:
-    import gguf
-
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
     n_elements = int(np.prod(shape, dtype=np.int64))
     dims = tuple(reversed(shape))
-    plain = {gguf.GGMLQuantizationType.F16: np.float16, gguf.GGMLQuantizationType.F32: np.float32,
-             gguf.GGMLQuantizationType.F64: np.float64, gguf.GGMLQuantizationType.I8: np.int8,
-             gguf.GGMLQuantizationType.I16: np.int16, gguf.GGMLQuantizationType.I32: np.int32,
-             gguf.GGMLQuantizationType.I64: np.int64}
-    if qtype in plain:
-        dtype, count = np.dtype(plain[qtype]).newbyteorder(order), n_elements
+    if qtype in _PLAIN:
+        dtype, count = np.dtype(_PLAIN[qtype]).newbyteorder(order), n_elements
     else:
         if shape and shape[0] % block_size:
             raise ValueError(f"tensor {name!r}: row length {shape[0]} is not a multiple of "
@@ -120,8 +117,6 @@ def open_gguf(path) -> tuple[dict[str, Any], list[TensorInfo]]:
     ``FileNotFoundError`` when there is no such file, ``ValueError`` naming the file and what
     is wrong when it is not a GGUF file this reads (GGUF versions 2 and 3, either byte order).
     """
-    import gguf
-
     path = pathlib.Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
@@ -153,7 +148,7 @@ def open_gguf(path) -> tuple[dict[str, Any], list[TensorInfo]]:
             name = cur.string()
             shape = cur.dims(cur.unpack("I"))
             entries.append((name, cur.unpack("I"), shape, cur.unpack("Q")))
-        alignment = metadata.get("general.alignment", _DEFAULT_ALIGNMENT)
+        alignment = metadata.get("general.alignment", gguf.GGUF_DEFAULT_ALIGNMENT)
         if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
             raise ValueError(f"general.alignment={alignment!r} is not a power of two")
         start = -(-cur.offset // alignment) * alignment
@@ -162,7 +157,7 @@ def open_gguf(path) -> tuple[dict[str, Any], list[TensorInfo]]:
             if name in seen:
                 raise ValueError(f"the tensor {name!r} appears twice")
             seen.add(name)
-            qtype = gguf.GGMLQuantizationType(raw_type)
+            qtype = _Q(raw_type)
             data = _tensor_data(mapped, qtype, shape, start + offset, name, order)
             tensors.append(TensorInfo(name, qtype, shape, data))
     except (ValueError, struct.error, UnicodeDecodeError, OverflowError, KeyError) as exc:

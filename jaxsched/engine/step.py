@@ -407,7 +407,6 @@ def step_impl(state: EngineState, params, new: NewRequests, now, spec: EngineSpe
 step = jax.jit(step_impl, static_argnames=("spec",), donate_argnums=(0,))
 
 
-
 @functools.cache
 def jitted_part(part: str, options: compile_options.Options = ()) -> Callable:
     """`LazyStep`'s `part` ("plan", "model" or "finish") jitted with XLA compile `options`
