@@ -265,6 +265,24 @@ workers_only = pytest.mark.skipif(not sweep_workers.available(),
 
 
 @workers_only
+def test_sweep__half_slots_move_runs_between_slot_counts_with_the_same_rows(vmapped):
+    """With `half_slots` a run steps at half the slots (16 of 32) while the requests alive
+    at a chunk's start plus those arriving in it fit there: every run starts there, moves
+    up before the trace's burst of arrivals and back down once it drains from its highest
+    slots. Rows equal the vmapped sweep's (which equal `simulate`'s), pruned (waves whose
+    runs resume from states read at either slot count) or not; bad values get one error."""
+    for prune in (False, True):
+        stats = {}
+        rows = sweep(TRACE, **GRID, capacity=CAPACITY, vmap_runs=1, threads=2, progress=False, prune=prune,
+                     half_slots=True, stats=stats)
+        assert rows == vmapped[0], prune
+        assert stats["half_slots"] == 16 and stats["half_slot_run_steps"] > 0
+        assert stats["moved_up"] > 0 and stats["moved_down"] > 0
+    assert stats["resumed"] > 0
+    with pytest.raises(SweepError, match="half_slots must be True or False"):
+        sweep(TRACE, **GRID, capacity=CAPACITY, half_slots=None, progress=False)
+
+
 def test_sweep__worker_processes_give_the_threads_rows_and_a_dead_one_is_replaced(vmapped):
     """Shards stepped by worker processes, one pinned to each CPU: the rows of the threads,
     every run made or pruned in waves (resumed runs read their start states from a worker).
@@ -389,7 +407,7 @@ def test_first_wave__the_largest_of_each_line_of_more_than_one():
     assert sweep_prune.first_wave(configs(watermark=[0.0, 0.01, 0.1])) == []   # no shared line
 
 
-def test_cli_sweep__prune_or_not_gives_the_same_rows(tmp_path, capsys):
+def test_cli_sweep__prune_or_not_or_half_slots_give_the_same_rows(tmp_path, capsys):
     path = tmp_path / "trace.json"
     path.write_text(json.dumps(TRACE))
     capacity = ",".join(f"{k}={v}" for k, v in CAPACITY.items())
@@ -410,6 +428,9 @@ def test_cli_sweep__prune_or_not_gives_the_same_rows(tmp_path, capsys):
         outputs.append(capsys.readouterr().out)
     assert ": 16 runs (2 resumed from another run's state)\n" in outputs[3] and ": 16 runs\n" in outputs[4]
     assert (tmp_path / "3" / "sweep.json").read_text() == (tmp_path / "4" / "sweep.json").read_text()
+    # --half-slots: runs at half the slots where that holds them, the same rows.
+    assert run_cli(argv + ["--prune", "--half-slots", "-o", str(tmp_path / "6")]) == 0
+    assert (tmp_path / "6" / "sweep.json").read_text() == (tmp_path / "3" / "sweep.json").read_text()
     if sweep_workers.available():           # --workers: the shards on worker processes, the same rows
         assert run_cli(argv + ["--prune", "--workers", "-o", str(tmp_path / "5")]) == 0
         assert (tmp_path / "5" / "sweep.json").read_text() == (tmp_path / "3" / "sweep.json").read_text()

@@ -57,7 +57,8 @@ run made before, at the last chunk boundary up to which that run's decisions are
 
 Request slots are a static size too. A sweep starts with a modest number of slots and, if
 some run ever has more requests alive than slots, doubles them and starts over (one more
-compile); results never depend on the slot count, only the speed does.
+compile); results never depend on the slot count, only the speed does. With `half_slots` a
+run steps at half of them while that surely holds it (sim/sweep_slots.py).
 """
 from __future__ import annotations
 
@@ -82,7 +83,7 @@ from jaxsched.core.config import PREEMPT_RECOMPUTE, PREEMPT_SWAP, SchedulerConfi
 from jaxsched.core.costs import PreemptionCosts
 from jaxsched.core.requests import RequestBatch
 from jaxsched.core.walks import BIG
-from jaxsched.sim import sweep_prune, sweep_workers
+from jaxsched.sim import sweep_prune, sweep_slots, sweep_workers
 from jaxsched.sim.capacity import longest_sequence, needed_capacity, pow2, replay_capacity
 from jaxsched.sim.simulate import CHUNK_STEPS, replay_step
 from jaxsched.core.state import (EMPTY, FINISHED, IGNORED, LIMIT_FIELDS, empty_state, layout,
@@ -496,7 +497,8 @@ def _limit_columns(dims: tuple) -> dict[int, np.ndarray]:
 
 def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: int, progress: bool,
             threads: int = 1, stats: dict | None = None, skips: bool = True, batch: int | None = None,
-            label: str = "sweep", starts: dict | None = None, watch=None, work=None, workers: bool = False):
+            label: str = "sweep", starts: dict | None = None, watch=None, work=None, workers: bool = False,
+            half_slots: bool = False):
     """Run every config to the end; (records [runs, T, NUM_COLS], per_request [runs, 4, N]) or
     None when some run had more requests alive than slots. `batch` (at least the runs):
     the batch is shaped as for that many runs, the rest padding (so a wave of a pruned
@@ -533,8 +535,21 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
     # A padding run starts drained (every request has a finish step): never stepped.
     per_request = np.full((len(ids), 4, len(reqs)), -1, np.int32)
     per_request[ids < 0] = 0
-    args = (limits, per_request, np.int32(cap_config.seed), np.int32(cap_config.artificial_preemption_count))
+    seed = (np.int32(cap_config.seed), np.int32(cap_config.artificial_preemption_count))
+    # Half the slots for the runs they surely hold (sweep_slots: `half_slots`), on the map
+    # path on host threads on the CPU. A run that starts from another's state starts at
+    # the full count; every run moves down and up between chunks.
+    half = cap["num_slots"] // 2 if (half_slots and group == 1 and remote is None
+                                     and jax.default_backend() == "cpu") else 0
+    small_at = (ids >= 0) & bool(half) & ~np.isin(ids, list(starts))   # positions at half the slots
+    # A position is stepped in the batch that holds its run; in the other it is drained.
+    args = (limits, np.where(small_at[:, None, None], 0, per_request)) + seed
     carries = _compiled(first_batch, args, dict(capacity=cap_config.capacity(), shards=shards), stats)(*args)
+    smalls = small_cap = None
+    if half:
+        small_cap = dataclasses.replace(cap_config, num_slots=half).capacity()
+        args = (limits, np.where(small_at[:, None, None], per_request, 0)) + seed
+        smalls = _compiled(first_batch, args, dict(capacity=small_cap, shards=shards), stats)(*args)
     done, last = np.zeros(runs, np.int64), np.zeros(runs, np.int64)
     # The step each position's next chunk starts at, less the chunks made since the start.
     offset = np.zeros(len(ids), np.int64)
@@ -544,6 +559,7 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
             if (s := starts.get(int(ids[pos]))) is not None:
                 offset[pos], done[ids[pos]], last[ids[pos]] = s.step, s.finished, s.last
     steps = np.array([r["arrival_step"] for r in reqs])
+    arrivals = np.sort(steps)
     order = np.argsort(steps, kind="stable")
     cols = np.array([[r[k] for r in reqs] for k in ("arrival_step", "prompt_len", "n", "max_tokens")])
     cols = np.stack([cols[0], np.arange(len(reqs)), *cols[1:]])[:, order].astype(np.int32)
@@ -557,7 +573,7 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
     chunks: list[np.ndarray] = []                  # global chunk index -> records of every run
     final = np.zeros((runs, 4, len(reqs)), np.int32)
     capacity = cap_config.capacity()
-    sizes, stepped, made = [size], 0, 0
+    sizes, stepped, made, half_steps, live_steps, moves = [size], 0, 0, 0, 0, [0, 0]
     K = CHUNK_STEPS
 
     def split(batch):
@@ -571,12 +587,17 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
         where = {int(r): p for p, r in enumerate(ids) if r >= 0}
         pos = np.array([where[int(r)] for r in which])
         out = [None] * len(pos)
-        for shard in np.unique(pos // size):
-            mine = np.nonzero(pos // size == shard)[0]
+        for shard, small in itertools.product(np.unique(pos // size), (False, True)):
+            mine = np.nonzero((pos // size == shard) & (small_at[pos] == small))[0]
+            if not mine.size:
+                continue
             state, per = (remote.rows(shard, pos[mine] % size) if carries is None
-                          else _rows(carries[shard], pos[mine] % size, stats))
+                          else _rows((smalls if small else carries)[shard], pos[mine] % size, stats))
+            data = state.data
+            if small:       # at the full slot count, as every Start is
+                data, _ = sweep_slots.resize(tuple(np.asarray(x) for x in data), state.dims, cap["num_slots"])
             for k, i in enumerate(mine):
-                out[i] = (tuple(leaf[k] for leaf in state.data), per[k])
+                out[i] = (tuple(leaf[k] for leaf in data), per[k])
         return out
 
     with tqdm(total=runs * len(reqs), disable=not progress, desc=label, unit="req") as bar, \
@@ -590,8 +611,30 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
                 break
             times = ((first_steps[:, None] + np.arange(K)).astype(np.float32) * trace.step_time)
             first = first_steps.astype(np.int32)
-            exe = _executable((carries[0] if carries is not None else held, cols, arrival_time, tokens,
-                               first[:size], times[:size]), capacity, width, group, stats, skips=skips)
+            if half:
+                # Requests alive at the chunk's start plus those arriving in it: the most the
+                # chunk can hold. A run that could hold more than half the slots moves up.
+                most = np.searchsorted(arrivals, first_steps + K) - done[np.maximum(ids, 0)]
+                up = small_at & live & (most > half)
+                if up.any():
+                    smalls, carries = _moved(smalls, carries, up, size, cap["num_slots"], stats)
+                    small_at &= ~up
+                    moves[0] += int(up.sum())
+                # A run drains from the highest slots last: it moves down once they are empty.
+                down = ~small_at & live & (most <= half)
+                if down.any() and (down := down & _fit(carries, half)).any():
+                    carries, smalls = _moved(carries, smalls, down, size, half, stats)
+                    small_at |= down
+                    moves[1] += int(down.sum())
+                half_steps += K * int((live & small_at).sum())
+            live_steps += K * int(live.sum())
+            exe = exe_small = None
+            if remote is not None or (live & ~small_at).any():
+                exe = _executable((carries[0] if carries is not None else held, cols, arrival_time, tokens,
+                                   first[:size], times[:size]), capacity, width, group, stats, skips=skips)
+            if (live & small_at).any():
+                exe_small = _executable((smalls[0], cols, arrival_time, tokens, first[:size], times[:size]),
+                                        small_cap, width, group, stats, skips=skips)
             if remote is not None:
                 firsts, whens = split(first), split(times)
                 if carries is not None:     # from here on the workers hold the carries
@@ -605,12 +648,16 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
                 # 1.15-1.5x slower on the 2-core CPU, interleaved in one process: 64
                 # configurations 1.98-3.14 s against 1.64-1.69, 16 configurations
                 # 1.06-1.5 s against 0.87-1.05.
-                advance = lambda i: jax.block_until_ready(exe(   # noqa: E731
-                    carries[i], cols, arrival_time, tokens, first[i * size:(i + 1) * size],
-                    times[i * size:(i + 1) * size]))
-                out = [advance(0)] if shards == 1 else list(pool.map(advance, range(shards)))
-                carries = [c for c, _ in out]
-                rec = np.concatenate([np.asarray(r) for _, r in out])
+                def advance(i):
+                    mine = slice(i * size, (i + 1) * size)
+                    rec = np.zeros((size, K, NUM_COLS), np.int32)
+                    for batches, run, at in ((carries, exe, ~small_at[mine]), (smalls, exe_small, small_at[mine])):
+                        if run is not None and (live[mine] & at).any():
+                            batches[i], got = jax.block_until_ready(run(
+                                batches[i], cols, arrival_time, tokens, first[mine], times[mine]))
+                            rec = np.where(at[:, None, None], np.asarray(got), rec)
+                    return rec
+                rec = np.concatenate([advance(0)] if shards == 1 else list(pool.map(advance, range(shards))))
             stepped += rec.shape[0] * K
             if rec[real][:, :, C_OVERFLOW].any():
                 return None
@@ -645,20 +692,65 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
                 src = np.where(items >= 0, live[np.maximum(items, 0)], pad)
                 take = jnp.asarray(src)
                 batch = jax.tree.map(lambda x: jnp.take(x, take, axis=0), batch)
-                ids, offset = np.where(items >= 0, ids[src], -1), offset[src]
+                ids, offset, small_at = np.where(items >= 0, ids[src], -1), offset[src], small_at[src]
                 size, group = new_size, new_group
                 sizes.append(size)
                 carries = split(batch)
     stats.update(shard_sizes=sizes, threads=shards, vmap_group=group, stepped_run_steps=stepped,
-                 workers=shards if carries is None else 0)
+                 workers=shards if carries is None else 0, half_slots=half,
+                 half_slot_run_steps=stats.get("half_slot_run_steps", 0) + half_steps,
+                 live_run_steps=stats.get("live_run_steps", 0) + live_steps,
+                 moved_up=stats.get("moved_up", 0) + moves[0], moved_down=stats.get("moved_down", 0) + moves[1])
     bad = np.nonzero((done < len(reqs)) | (last >= trace.max_steps))[0]
     if bad.size:
         _unfinished(trace, configs, bad)
     kept = np.concatenate(remote.per_request() if carries is None     # on the host: no device op
                           else [np.asarray(c[1]) for c in carries])
+    if half:
+        kept = np.where(small_at[:, None, None], np.concatenate([np.asarray(c[1]) for c in smalls]), kept)
     real = ids >= 0
     final[ids[real]] = kept[real]
     return np.concatenate(chunks, axis=1), final
+
+
+def _write_rows(carry, index: np.ndarray, data=None, per=None):
+    """The carry (state, per_request) with rows `index` of the state's packed leaves
+    (`data`) and of per_request (`per`) replaced, where given: rewritten on the host (the
+    CPU backend)."""
+    state, per_request = carry
+    if data is not None:
+        host = [np.array(x) for x in state.data]
+        for leaf, rows in zip(host, data):
+            leaf[index] = rows
+        state = state.replace(data=tuple(jax.device_put(x) for x in host))
+    if per is not None:
+        host = np.array(per_request)
+        host[index] = per
+        per_request = jax.device_put(host)
+    return state, per_request
+
+
+def _moved(src, dst, which: np.ndarray, size: int, slots: int, stats: dict):
+    """(src, dst), shard carries, with the runs at positions `which` moved from `src` to
+    `dst` (at `slots` request slots: sweep_slots.resize), at the same positions, and
+    drained in `src` (per_request all zeros, so that its chunk does not visit them)."""
+    src, dst = list(src), list(dst)
+    for shard in range(len(src)):
+        local = np.nonzero(which[shard * size:(shard + 1) * size])[0]
+        if not local.size:
+            continue
+        state, per = _rows(src[shard], local, stats)
+        data, _ = sweep_slots.resize(tuple(state.data), state.dims, slots)
+        dst[shard] = _write_rows(dst[shard], local, data, per)
+        src[shard] = _write_rows(src[shard], local, per=np.zeros_like(per))
+    return src, dst
+
+
+def _fit(carries, slots: int) -> np.ndarray:
+    """bool[positions]: the run at each position of the shard carries (CPU) holds no
+    request in a slot at or past `slots` (sweep_slots.fits), read from the buffers."""
+    return np.concatenate([sweep_slots.fits(tuple(np.asarray(x) for x in c[0].data), c[0].dims, slots)
+                           for c in carries])
 
 
 @jax.jit
@@ -716,10 +808,7 @@ def _started(carries, ids, size, starts: dict, stats: dict):
             data.append(rows)
         rows = (carry[0].replace(data=data), np.stack([s.state[1] for _, s in mine]))
         if _on_cpu(carry):
-            host = jax.tree.map(np.array, carry)
-            for leaf, r in zip(jax.tree.leaves(host), jax.tree.leaves(rows)):
-                leaf[local] = r
-            out.append(jax.device_put(host))
+            out.append(_write_rows(carry, local, rows[0].data, rows[1]))
             continue
         index = _bucket(local, size)
         pad = lambda x: np.concatenate([x, np.zeros((len(index) - len(x),) + x.shape[1:], x.dtype)])  # noqa: E731
@@ -743,7 +832,7 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
           preemption_costs=None, memory=None, slo_ttft: float | None = None,
           slo_tpot: float | None = None, per_request: bool = False, stats: dict | None = None,
           vmap_skips: bool | None = None, prune: bool | None = None, workers: bool | None = None,
-          **axes) -> list[dict]:
+          half_slots: bool = False, **axes) -> list[dict]:
     """Replay `trace` under every combination of the given limit lists; one row per run.
 
     Memory axes, vLLM's knobs: `gpu_memory_utilization` and `swap_space` (GiB), each a list
@@ -788,6 +877,16 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
     measured (1024 configurations: 21.7-22.0 s against 23.5-25.0 s with the workers up).
     A failed worker raises `sweep_workers.WorkerError` (a RuntimeError); the next sweep
     starts a new one.
+    `half_slots`: on the map path on threads on the CPU, step each run at half the request
+    slots while that surely holds it (the requests alive at a chunk's start plus those
+    arriving in it fit there), moving it up before it could need more and back down once its
+    highest slots are empty (sim/sweep_slots.py); rows do not depend on it. Off by default,
+    by measurement (benchmarks/results/sweep_half_slots.md): a pruned grid's runs take
+    0.73-0.81x as long (12 s less at 1024 configurations), but the half-slot chunk is one
+    more compile, as long as the first, so a cold start is slower at every grid size
+    measured (1024: 74.7 against 63.1 s); with both chunks in the persistent compilation
+    cache (`jaxsched sweep` keeps one) a start of 1024 configurations is faster (42.0
+    against 49.1 s), of 256 about even.
     `prune`: run each grid line's largest configuration first, not run the configurations
     whose rows one of those runs gives exactly (sim/sweep_prune.py: every test against their
     limits would come out the same), and start the others from the state of a run made
@@ -814,7 +913,9 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
     stepped_run_steps (run-steps computed, padding included), num_slots, prune (did it run
     in waves), waves (1 to 3), pruned (configurations answered for without a run of their
     own), resumed (runs started from another run's state) and skipped_steps (the steps
-    those runs did not make).
+    those runs did not make), live_run_steps (run-steps made, K per run per chunk it
+    stepped), half_slots (the half slot count, 0 when off), half_slot_run_steps (those made
+    at it), moved_up and moved_down (runs moved between the two).
     """
     if not isinstance(trace, dict) or "config" not in trace:
         raise SweepError("sweep: the trace must be a dict with 'config' and 'requests'")
@@ -829,7 +930,7 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
                               dict(capacity=capacity, step_time_model=step_time_model,
                                    vmap_runs=vmap_runs, threads=threads, progress=progress,
                                    vmap_skips=vmap_skips, prune=prune, workers=workers,
-                                   preemption_costs=preemption_costs,
+                                   half_slots=half_slots, preemption_costs=preemption_costs,
                                    memory=memory,
                                    slo_ttft=slo_ttft, slo_tpot=slo_tpot, per_request=per_request))
     static = {f: _static_value(f, axes.pop(f)) for f in list(axes) if f in STATIC_FIELDS}
@@ -862,6 +963,8 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
         raise SweepError("sweep: workers=True needs the map path (vmap_runs=1), threads >= 2 and "
                          "a system that pins processes to CPUs (Linux, two CPUs or more)")
     workers = bool(workers)
+    if not isinstance(half_slots, (bool, np.bool_)):
+        raise SweepError(f"sweep: half_slots must be True or False, got {half_slots!r}")
     # The first wave, when there is one (by measurement by default: see the docstring).
     first = None
     if sweep_prune.prunable(configs[0]) and (prune or (prune is None and vmap_runs == 1)):
@@ -873,7 +976,7 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
     t0 = time.perf_counter()
     try:
         out = _sweep_replay(parsed, configs, cap, capacity, vmap_runs, progress, threads, info,
-                            bool(vmap_skips), first, workers)
+                            bool(vmap_skips), first, workers, bool(half_slots))
     finally:                    # also when runs did not drain (a benchmark times a few chunks)
         if stats is not None:
             wall = time.perf_counter() - t0
@@ -907,10 +1010,10 @@ def _sweep_caching(trace: dict, spec, stats: dict | None, axes: dict, kwargs: di
 
 
 def _sweep_replay(parsed, configs, cap, capacity, vmap_runs, progress, threads, info, skips=True,
-                  first=None, workers=False):
+                  first=None, workers=False, half_slots=False):
     """`_waves`, restarted with twice the slots while some run has more requests alive."""
     while (out := _waves(parsed, configs, cap, vmap_runs, progress, threads, info, skips, first,
-                         workers)) is None:
+                         workers, half_slots)) is None:
         if capacity and "num_slots" in capacity:
             raise SweepError(f"sweep: some run has more than num_slots={cap['num_slots']} requests "
                              f"alive at once; raise the capacity's num_slots")
@@ -921,7 +1024,8 @@ def _sweep_replay(parsed, configs, cap, capacity, vmap_runs, progress, threads, 
     return out
 
 
-def _waves(parsed, configs, cap, vmap_runs, progress, threads, info, skips, first=None, workers=False):
+def _waves(parsed, configs, cap, vmap_runs, progress, threads, info, skips, first=None, workers=False,
+           half_slots=False):
     """`_replay` of every config, or with `first` (indices, sweep_prune.first_wave) in waves
     (sweep_prune): the roots, the rest of `first`, then the configurations no run made
     answers for; each run of a wave starts from the state of a run made before, as late as
@@ -930,7 +1034,7 @@ def _waves(parsed, configs, cap, vmap_runs, progress, threads, info, skips, firs
     the run it started from, shifted (`_shifted`). None as `_replay`."""
     run = lambda which, label, **kw: _replay(  # noqa: E731
         parsed, [configs[i] for i in which], cap, vmap_runs, progress, threads, stats=info, skips=skips,
-        batch=len(configs), label=label, workers=workers, **kw)
+        batch=len(configs), label=label, workers=workers, half_slots=half_slots, **kw)
     info.update(pruned=0, waves=1, prune=bool(first) and len(first) < len(configs), resumed=0, skipped_steps=0)
     if not info["prune"]:
         return run(list(range(len(configs))), "sweep")
