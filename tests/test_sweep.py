@@ -281,6 +281,8 @@ def test_sweep__half_slots_move_runs_between_slot_counts_with_the_same_rows(vmap
     assert stats["resumed"] > 0
     with pytest.raises(SweepError, match="half_slots must be True or False"):
         sweep(TRACE, **GRID, capacity=CAPACITY, half_slots=None, progress=False)
+    with pytest.raises(SweepError, match="half_slots=True needs the map path"):
+        sweep(TRACE, **GRID, capacity=CAPACITY, half_slots=True, vmap_runs=16, progress=False)
 
 
 def test_sweep__worker_processes_give_the_threads_rows_and_a_dead_one_is_replaced(vmapped):

@@ -539,8 +539,7 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
     # Half the slots for the runs they surely hold (sweep_slots: `half_slots`), on the map
     # path on host threads on the CPU. A run that starts from another's state starts at
     # the full count; every run moves down and up between chunks.
-    half = cap["num_slots"] // 2 if (half_slots and group == 1 and remote is None
-                                     and jax.default_backend() == "cpu") else 0
+    half = cap["num_slots"] // 2 if half_slots else 0
     small_at = (ids >= 0) & bool(half) & ~np.isin(ids, list(starts))   # positions at half the slots
     # A position is stepped in the batch that holds its run; in the other it is drained.
     args = (limits, np.where(small_at[:, None, None], 0, per_request)) + seed
@@ -877,10 +876,11 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
     measured (1024 configurations: 21.7-22.0 s against 23.5-25.0 s with the workers up).
     A failed worker raises `sweep_workers.WorkerError` (a RuntimeError); the next sweep
     starts a new one.
-    `half_slots`: on the map path on threads on the CPU, step each run at half the request
-    slots while that surely holds it (the requests alive at a chunk's start plus those
-    arriving in it fit there), moving it up before it could need more and back down once its
-    highest slots are empty (sim/sweep_slots.py); rows do not depend on it. Off by default,
+    `half_slots`: on the map path on threads on the CPU (elsewhere an error), step each
+    run at half the request slots while that surely holds it (the requests alive at a
+    chunk's start plus those arriving in it fit there), moving it up before it could need
+    more and back down once its highest slots are empty (sim/sweep_slots.py); rows do not
+    depend on it. Off by default,
     by measurement (benchmarks/results/sweep_half_slots.md): a pruned grid's runs take
     0.73-0.81x as long (12 s less at 1024 configurations), but the half-slot chunk is one
     more compile, as long as the first, so a cold start is slower at every grid size
@@ -965,6 +965,9 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
     workers = bool(workers)
     if not isinstance(half_slots, (bool, np.bool_)):
         raise SweepError(f"sweep: half_slots must be True or False, got {half_slots!r}")
+    if half_slots and (vmap_runs > 1 or workers or jax.default_backend() != "cpu"):
+        raise SweepError("sweep: half_slots=True needs the map path (vmap_runs=1) on host threads "
+                         "(not workers) on the CPU backend")
     # The first wave, when there is one (by measurement by default: see the docstring).
     first = None
     if sweep_prune.prunable(configs[0]) and (prune or (prune is None and vmap_runs == 1)):
