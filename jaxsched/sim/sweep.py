@@ -880,13 +880,12 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
     run at half the request slots while that surely holds it (the requests alive at a
     chunk's start plus those arriving in it fit there), moving it up before it could need
     more and back down once its highest slots are empty (sim/sweep_slots.py); rows do not
-    depend on it. Off by default,
-    by measurement (benchmarks/results/sweep_half_slots.md): a pruned grid's runs take
-    0.73-0.81x as long (12 s less at 1024 configurations), but the half-slot chunk is one
-    more compile, as long as the first, so a cold start is slower at every grid size
-    measured (1024: 74.7 against 63.1 s); with both chunks in the persistent compilation
-    cache (`jaxsched sweep` keeps one) a start of 1024 configurations is faster (42.0
-    against 49.1 s), of 256 about even.
+    depend on it. Off by default, by measurement (benchmarks/results/sweep_half_slots.md):
+    a pruned grid's runs take 0.73-0.81x as long (12 s less at 1024 configurations), but
+    the half-slot chunk is one more compile, as long as the first, so a cold start is
+    slower at every grid size measured (1024: 74.7 against 63.1 s); with both chunks in the
+    persistent compilation cache (`jaxsched sweep` keeps one) a start of 1024
+    configurations is faster (42.0 against 49.1 s), of 256 about even.
     `prune`: run each grid line's largest configuration first, not run the configurations
     whose rows one of those runs gives exactly (sim/sweep_prune.py: every test against their
     limits would come out the same), and start the others from the state of a run made

@@ -17,22 +17,15 @@ import math
 
 import numpy as np
 
-from jaxsched.core.state import EMPTY, FIELDS, layout
+from jaxsched.core.state import EMPTY, FIELDS, SchedulerState, layout
 
 # Fields over the slots (their first axis), by their declarations.
 _PER_SLOT = frozenset(f.name for f in FIELDS if f.shape.startswith("G"))
 
 
-def _field(leaves, dims, name) -> np.ndarray:
-    """Field `name` as stored (int32), [runs, *shape], from packed leaves [runs, n]."""
-    leaf, offset, shape = layout(dims)[name]
-    data = leaves[leaf]
-    return data[:, offset:offset + math.prod(shape)].reshape((data.shape[0],) + shape)
-
-
 def fits(leaves, dims: tuple, slots: int) -> np.ndarray:
     """bool[runs]: every request of the run is in a slot below `slots`."""
-    return (_field(leaves, dims, "status")[:, slots:] == EMPTY).all(1)
+    return (SchedulerState(tuple(leaves), dims).stored("status")[:, slots:] == EMPTY).all(1)
 
 
 def resize(leaves, dims: tuple, slots: int) -> tuple[tuple, tuple]:
@@ -41,9 +34,9 @@ def resize(leaves, dims: tuple, slots: int) -> tuple[tuple, tuple]:
     new_dims = (slots,) + tuple(dims[1:])
     lay, runs = layout(new_dims), leaves[0].shape[0]
     out = [np.zeros((runs, size), np.int32) for size in lay["sizes"]]
-    keep = min(slots, dims[0])
+    keep, state = min(slots, dims[0]), SchedulerState(tuple(leaves), dims)
     for name, (leaf, offset, shape) in ((k, v) for k, v in lay.items() if k != "sizes"):
-        old = _field(leaves, dims, name)
+        old = state.stored(name)
         if name == "walk_order":
             # The cached order with the slots past the smaller count left out or put last,
             # in slot order (empty slots sort by their index, after every queue). It is only
