@@ -33,6 +33,16 @@ def time_interleaved(calls: dict, reps: int, inner: int = 3) -> tuple[dict[str, 
             {name: float(np.min(s)) for name, s in samples.items()})
 
 
+def machine() -> str:
+    """Where a result was measured, for its table's title: "(backend; arch, N CPUs; jax V)"."""
+    import os
+    import platform
+
+    import jax
+
+    return f"({jax.default_backend()}; {platform.machine()}, {os.cpu_count()} CPUs; jax {jax.__version__})"
+
+
 def save_results(stem: str, result: dict, markdown: str) -> None:
     """Write results/STEM.json (indented) and results/STEM.md."""
     RESULTS.mkdir(parents=True, exist_ok=True)

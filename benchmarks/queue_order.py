@@ -19,10 +19,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import time
 
-from _common import save_results
+from _common import machine, save_results
 from sweep import TRACE
 
 from jaxsched.entrypoints.xla_flags import use_xla_flags
@@ -139,8 +138,7 @@ def main() -> None:
         raw.append(dict(row, samples=samples))
         print(row, flush=True)
     load.append(os.getloadavg()[0])
-    title = (f"# The queue order of a general step: sorted, or repaired "
-             f"({jax.default_backend()}; {platform.machine()}, {os.cpu_count()} CPUs; jax {jax.__version__})")
+    title = f"# The queue order of a general step: sorted, or repaired {machine()}"
     fmt = [dict(slots=r["slots"], states=r["states"], stale=f"{r['stale']:.2f}",
                 few_moved=f"{r['few_moved']:.2f}", repaired=f"{r['repaired']:.2f}",
                 sort_us=f"{r['sort_us']:.1f}", as_is_us=f"{r['as_is_us']:.1f}",

@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import time
 
-from _common import save_results
+from _common import machine, save_results
 from sweep import TRACE
 
 from jaxsched.entrypoints.xla_flags import use_xla_flags
@@ -71,8 +70,7 @@ def main() -> None:
             print(rows[-1], flush=True)
     load.append(os.getloadavg()[0])
     md = "\n".join([
-        f"# simulate on long traces: slots for every request, or {sim.START_SLOTS} and restarts "
-        f"({jax.default_backend()}; {platform.machine()}, {os.cpu_count()} CPUs; jax {jax.__version__})", "",
+        f"# simulate on long traces: slots for every request, or {sim.START_SLOTS} and restarts {machine()}", "",
         f"`python benchmarks/simulate_slots.py --requests {args.requests}`: the trace of "
         f"benchmarks/sweep.py at each length; both replays make the same decisions. `replays`: the "
         f"slot counts the first call replayed with; `first`: that call, compiles and restarts "

@@ -17,21 +17,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 import time
 
 import numpy as np
-from _common import save_results
+from _common import machine, save_results
 from sweep import TRACE, grid
 
 from jaxsched.entrypoints.xla_flags import use_xla_flags
 
 use_xla_flags()
-
-import jax  # noqa: E402
 
 from jaxsched.entrypoints.cli_sweep import markdown_table  # noqa: E402
 from jaxsched.sim.sweep import default_threads, sweep  # noqa: E402
@@ -112,8 +109,7 @@ def main() -> None:
         print(markdown_table(rows[-2:], list(rows[-1])), flush=True)
     starts = [row for size in args.cache_sizes.split(",") if size for row in cached_starts(int(size))]
     seconds = time.perf_counter() - t0
-    head = (f"# Half slots against the extra compile ({jax.default_backend()}; {platform.machine()}, "
-            f"{os.cpu_count()} CPUs; jax {jax.__version__})")
+    head = f"# Half slots against the extra compile {machine()}"
     lines = [head, "",
              f"`python benchmarks/sweep_half_slots.py --sizes {args.sizes} --reps {args.reps} "
              f"--cache-sizes {args.cache_sizes}`: the pruned map sweep of `benchmarks/sweep.py`'s grids on "

@@ -22,18 +22,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import time
 
 import numpy as np
-from _common import save_results
+from _common import machine, save_results
 from sweep import TRACE, grid
 
 from jaxsched.entrypoints.xla_flags import use_xla_flags
 
 use_xla_flags()
-
-import jax  # noqa: E402
 
 from jaxsched.entrypoints.cli_sweep import markdown_table  # noqa: E402
 from jaxsched.sim.sweep import sweep  # noqa: E402
@@ -88,8 +85,7 @@ def main() -> None:
     for r in big:
         r["vs_last"] = round(r["vs_last"], 2)
     seconds = time.perf_counter() - t0
-    head = (f"# Sweep cost against its slot count ({jax.default_backend()}; {platform.machine()}, "
-            f"{os.cpu_count()} CPUs; jax {jax.__version__})")
+    head = f"# Sweep cost against its slot count {machine()}"
     lines = [head, "",
              f"`python benchmarks/sweep_slots.py --slots {args.slots} --grid-slots {args.grid_slots} "
              f"--reps {args.reps}`: medians of {args.reps} interleaved sweeps per row, compile apart. "
