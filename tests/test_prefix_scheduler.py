@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from jaxsched import SchedulerConfig, add_requests, free_finished, init_state, make_batch, schedule_step, update
 from jaxsched.sim.reference import ReferenceScheduler, simulate_reference
 from jaxsched.sim.reference import SchedulerConfig as ReferenceConfig
-from jaxsched.sim.simulate import run_chunk, simulate
+from jaxsched.sim.simulate import chunk_program, simulate
 from goldens import assert_same_steps
 
 # One capacity for every workload here (pool sizes and modes are per-run limits).
@@ -54,8 +54,8 @@ def test_cached_scheduler__decides_as_the_reference_on_shared_prefixes(chunked):
         got = simulate(trace["config"], trace["requests"], capacity=CAPACITY, check_invariants=True)
         got.pop("ignored_reasons")
         assert_same_steps(got, simulate_reference(trace))
-        compiled = compiled or run_chunk._cache_size()
-    assert run_chunk._cache_size() == compiled
+        compiled = compiled or chunk_program()._cache_size()
+    assert chunk_program()._cache_size() == compiled
 
 
 def test_cached_scheduler__tiny_keys_collide_and_every_invariant_still_holds():

@@ -21,6 +21,8 @@ import pytest
 from jaxsched import simulate, summarize
 from jaxsched.entrypoints.cli_sweep import register
 from jaxsched.core.costs import PreemptionCosts
+from jaxsched.engine import compile_options
+from jaxsched.sim import sweep as sw
 from jaxsched.sim import sweep_workers
 from jaxsched.sim.sweep import SweepError, sweep
 from jaxsched.sim.workload import LogNormal, StepTimeModel, generate_trace
@@ -112,6 +114,10 @@ def test_sweep__compiles_once_per_shape(vmapped):
     # Other limits, same capacity: only batch shapes not seen before compile.
     assert again["compiles"] == len(set(again["shard_sizes"]) - set(stats["shard_sizes"]))
     assert [r["num_device_blocks"] for r in other[:4]] == [10, 14, 24, 30]
+    # Each chunk compiled with the replay's XLA options (on the CPU, two passes left out).
+    options = {key[3] for key in sw._EXECUTABLES if key[0] is sw.sweep_chunk}
+    assert options == {tuple(sorted(compile_options.part_options("replay")))}
+    assert compile_options.part_options("replay", "cpu") == compile_options.LEAN_PASSES
 
 
 def test_sweep__a_batch_that_skips_nothing_gives_the_same_rows(vmapped):
@@ -201,7 +207,6 @@ def test_sweep__runs_split_over_threads_give_the_same_rows_in_grid_order(vmapped
 def test_sweep_chunk__the_map_path_steps_the_live_runs_and_leaves_the_drained_as_they_were(monkeypatch):
     """Each chunk of the map path: a drained run (or padding) keeps its state bit for bit
     and records nothing; every live run steps (its clock moves)."""
-    from jaxsched.sim import sweep as sw
     seen = []
     compiled = sw._executable
 
@@ -347,8 +352,6 @@ def test_sweep__workers_compile_the_chunk_through_the_persistent_cache(tmp_path)
 def test_sweep__resumed_states_move_on_the_host_on_cpu_and_on_the_device_elsewhere(monkeypatch):
     """A resumed run's start state is read and put in place with numpy on the CPU backend (no
     gather or scatter compiled per index shape), with jitted ones elsewhere: same rows."""
-    from jaxsched.sim import sweep as sw
-
     real = sw._compiled
 
     def no_row_programs(fn, *args, **kwargs):

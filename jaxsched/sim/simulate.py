@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +24,7 @@ from jaxsched.core.requests import (RequestBatch, add_requests, free_finished, f
                                     update, update_impl)
 from jaxsched.core.scheduler import schedule_impl, schedule_step
 from jaxsched.core.state import FINISH_NAMES, FINISHED, IGNORE_REASONS, IGNORED, init_state, is_live
+from jaxsched.engine import compile_options
 from jaxsched.sim.capacity import replay_capacity
 from jaxsched.sim.trace import Trace, parse_trace
 
@@ -78,9 +79,9 @@ def sim_step(state, batch: RequestBatch, now, cap: Capacity, check: bool = False
     return state, (record, free, flags, overflow)
 
 
-@functools.partial(jax.jit, static_argnames=("cap", "check"), donate_argnums=(0,))
 def run_chunk(state, batches: RequestBatch, times, arrivals_left, cap: Capacity, check: bool = False):
-    """`sim_step` for every row of `batches` ([K, R] leaves) inside one lax.scan.
+    """`sim_step` for every row of `batches` ([K, R] leaves) inside one lax.scan (unjitted:
+    `chunk_program` is it compiled).
 
     `arrivals_left` (bool[K]) says whether any request arrives at or after each step. A step
     with none left and no group waiting, running or swapped is past the trace's last finish:
@@ -92,6 +93,18 @@ def run_chunk(state, batches: RequestBatch, times, arrivals_left, cap: Capacity,
         return lax.cond(left | is_live(st.status).any(), lambda s: sim_step(s, batch, now, cap, check),
                         lambda s: (s, _drained_record(s)), st)
     return lax.scan(body, state, (batches, times, arrivals_left))
+
+
+@functools.cache
+def _jitted_chunk(options: compile_options.Options) -> Callable:
+    return jax.jit(run_chunk, static_argnames=("cap", "check"), donate_argnums=(0,),
+                   compiler_options=dict(options) or None)
+
+
+def chunk_program() -> Callable:
+    """`run_chunk` jitted with the replay's compile options on the default backend
+    (engine/compile_options.py), the state donated."""
+    return _jitted_chunk(compile_options.part_options("replay"))
 
 
 def _drained_record(state):
@@ -175,8 +188,8 @@ def _replay(trace: Trace, cfg: SchedulerConfig, arrivals, width: int, check_inva
         k = min(CHUNK_STEPS, trace.max_steps - step)
         batches, times = _chunk_inputs(trace, arrivals, step, k, width, cap)
         left = jnp.asarray(np.arange(step, step + k) <= last_arrival)
-        state, (rec, free, flags, overflow) = run_chunk(state, batches, times, left, cap=cap,
-                                                        check=check_invariants)
+        state, (rec, free, flags, overflow) = chunk_program()(state, batches, times, left, cap=cap,
+                                                              check=check_invariants)
         rec, free, flags, overflow = (np.asarray(x) for x in (rec, free, flags, overflow))
         if overflow.any():
             raise SlotsExceeded(f"simulate: more than num_slots={cap.num_slots} requests alive at "
