@@ -270,12 +270,13 @@ workers_only = pytest.mark.skipif(not sweep_workers.available(),
 
 
 @workers_only
-def test_sweep__half_slots_move_runs_between_slot_counts_with_the_same_rows(vmapped):
+def test_sweep__half_slots_move_runs_between_slot_counts_with_the_same_rows(vmapped, monkeypatch):
     """With `half_slots` a run steps at half the slots (16 of 32) while the requests alive
     at a chunk's start plus those arriving in it fit there: every run starts there, moves
     up before the trace's burst of arrivals and back down once it drains from its highest
     slots. Rows equal the vmapped sweep's (which equal `simulate`'s), pruned (waves whose
-    runs resume from states read at either slot count) or not; bad values get one error."""
+    runs resume from states read at either slot count) or not, and after a slot doubling;
+    bad values get one error."""
     for prune in (False, True):
         stats = {}
         rows = sweep(TRACE, **GRID, capacity=CAPACITY, vmap_runs=1, threads=2, progress=False, prune=prune,
@@ -284,6 +285,14 @@ def test_sweep__half_slots_move_runs_between_slot_counts_with_the_same_rows(vmap
         assert stats["half_slots"] == 16 and stats["half_slot_run_steps"] > 0
         assert stats["moved_up"] > 0 and stats["moved_down"] > 0
     assert stats["resumed"] > 0
+    # From 16 slots the sweep restarts at 32: the counts are the last attempt's alone.
+    monkeypatch.setattr(sw, "sweep_capacity", lambda *a, **k: dict(CAPACITY, num_slots=16))
+    doubled = {}
+    assert sweep(TRACE, **GRID, vmap_runs=1, threads=2, progress=False, prune=True, half_slots=True,
+                 stats=doubled) == rows
+    assert doubled["num_slots"] == 32
+    counts = ("half_slot_run_steps", "live_run_steps", "moved_up", "moved_down", "stepped_run_steps")
+    assert {k: doubled[k] for k in counts} == {k: stats[k] for k in counts}
     with pytest.raises(SweepError, match="half_slots must be True or False"):
         sweep(TRACE, **GRID, capacity=CAPACITY, half_slots=None, progress=False)
     with pytest.raises(SweepError, match="half_slots=True needs the map path"):

@@ -1041,7 +1041,9 @@ def _waves(parsed, configs, cap, vmap_runs, progress, threads, info, skips, firs
     run = lambda which, label, **kw: _replay(  # noqa: E731
         parsed, [configs[i] for i in which], cap, vmap_runs, progress, threads, stats=info, skips=skips,
         batch=len(configs), label=label, workers=workers, half_slots=half_slots, **kw)
-    info.update(pruned=0, waves=1, prune=bool(first) and len(first) < len(configs), resumed=0, skipped_steps=0)
+    # Counted afresh by each attempt: a slot-doubling restart's counts are the last attempt's.
+    info.update(pruned=0, waves=1, prune=bool(first) and len(first) < len(configs), resumed=0, skipped_steps=0,
+                half_slot_run_steps=0, live_run_steps=0, moved_up=0, moved_down=0)
     if not info["prune"]:
         return run(list(range(len(configs))), "sweep")
     request_n = [r["n"] for r in parsed.requests]
