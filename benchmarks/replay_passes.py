@@ -28,15 +28,15 @@ use_xla_flags()
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxsched.engine import compile_options  # noqa: E402
+from jaxsched.core.xla_options import LEAN_PASSES  # noqa: E402
 from jaxsched.sim import sweep as sw  # noqa: E402
 from jaxsched.sim.workload import generate_trace  # noqa: E402
 
-PASSES = dict(compile_options.LEAN_PASSES)["xla_disable_hlo_passes"]
+PASSES = dict(LEAN_PASSES)["xla_disable_hlo_passes"]
 OPTIONS = {
     "all of XLA's passes": {"xla_disable_hlo_passes": ""},
     "no tree reduction rewriter": {"xla_disable_hlo_passes": "tree_reduction_rewriter"},
-    f"the replay's ({PASSES})": dict(compile_options.LEAN_PASSES),
+    f"the replay's ({PASSES})": dict(LEAN_PASSES),
 }
 
 

@@ -270,7 +270,6 @@ def test_engine__the_plan_compiles_for_speed_of_compile_on_cpu_only(model):
     assert co.part_options("plan", "cpu") == co.FAST_COMPILE
     assert co.part_options("model", "cpu") == co.part_options("finish", "cpu") == ()
     assert co.part_options("plan", "gpu") == co.part_options("plan", "tpu") == ()
-    assert co.part_options("replay", "gpu") == ()
     with pytest.raises(ValueError, match="part must be one of"):
         co.part_options("sample", "cpu")
     lazy = make_llm(model, num_device_blocks=24)._step

@@ -21,7 +21,7 @@ import pytest
 from jaxsched import simulate, summarize
 from jaxsched.entrypoints.cli_sweep import register
 from jaxsched.core.costs import PreemptionCosts
-from jaxsched.engine import compile_options
+from jaxsched.core.xla_options import LEAN_PASSES, replay_options
 from jaxsched.sim import sweep as sw
 from jaxsched.sim import sweep_workers
 from jaxsched.sim.sweep import SweepError, sweep
@@ -114,10 +114,10 @@ def test_sweep__compiles_once_per_shape(vmapped):
     # Other limits, same capacity: only batch shapes not seen before compile.
     assert again["compiles"] == len(set(again["shard_sizes"]) - set(stats["shard_sizes"]))
     assert [r["num_device_blocks"] for r in other[:4]] == [10, 14, 24, 30]
-    # Each chunk compiled with the replay's XLA options (on the CPU, two passes left out).
+    # Each chunk compiled with the replays' XLA options (on the CPU, two passes left out).
     options = {key[3] for key in sw._EXECUTABLES if key[0] is sw.sweep_chunk}
-    assert options == {tuple(sorted(compile_options.part_options("replay")))}
-    assert compile_options.part_options("replay", "cpu") == compile_options.LEAN_PASSES
+    assert options == {tuple(sorted(replay_options()))}
+    assert replay_options("cpu") == LEAN_PASSES and replay_options("gpu") == ()
 
 
 def test_sweep__a_batch_that_skips_nothing_gives_the_same_rows(vmapped):

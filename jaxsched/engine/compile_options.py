@@ -1,5 +1,4 @@
-"""XLA compile options for each part of the engine's step: plan, model, finish (`LazyStep`);
-and for the model-free replays of `simulate` and `sweep` (part "replay").
+"""XLA compile options for each part of the engine's step: plan, model, finish (`LazyStep`).
 
 The step runs as three programs, and they want different things from XLA:CPU. The plan (the
 scheduler, its block tables and the flat batch: integer bookkeeping over per-slot arrays)
@@ -13,10 +12,6 @@ step against 0.93. Finish the same way would compile 1.6 s faster but run 9.8 ms
 instead of 1.9 (the vocabulary's softmax and sort unvectorized), the model 7.5x slower. So
 only the plan takes them, and only on the CPU backend (the GPU compilers' pipelines are left
 as they are).
-
-The replays' programs are the scheduler alone, stepped thousands of times: they keep LLVM's
-optimizations (at -O0 the sweep's steps ran 7x slower) and leave out two of XLA:CPU's passes
-(`LEAN_PASSES`).
 """
 from __future__ import annotations
 
@@ -30,26 +25,13 @@ FAST_COMPILE: Options = (("xla_backend_optimization_level", 0), ("xla_cpu_use_fu
 # whose XLA_FLAGS lower the level for everything else (the test suite's do).
 OPTIMIZED: Options = (("xla_backend_optimization_level", 3), ("xla_cpu_use_fusion_emitters", True))
 
-# Two XLA:CPU passes that cost the scheduler's programs (integer bookkeeping over arrays of
-# a few hundred entries at most) more than they give. The tree reduction rewriter splits
-# every reduction over more than 32 entries into a reduce-window and a reduce, two kernels
-# instead of one (the sweep's chunk: 745 fusions -> 621); the parallel task assigner splits
-# ops over XLA's intra-op threads, which the sweep's own threads keep busy. Reductions over
-# integers (and float32 sums of integers below 2**24) are exact in any order: decisions do
-# not change. The sweep's chunk at 16 configurations on one thread, interleaved in one
-# process (benchmarks/replay_passes.py, results/replay_passes.md): without both, 0.80x the
-# CPU and 0.85x the wall time of its steps, 0.94x XLA's compile; without the rewriter alone
-# 0.90x, 0.90x and 0.97x.
-LEAN_PASSES: Options = (("xla_disable_hlo_passes", "tree_reduction_rewriter,cpu-parallel-task-assigner"),)
-
 # Per part on the CPU backend; () compiles with the process's options (XLA_FLAGS).
-CPU_PART_OPTIONS: dict[str, Options] = {"plan": FAST_COMPILE, "model": (), "finish": (),
-                                        "replay": LEAN_PASSES}
+CPU_PART_OPTIONS: dict[str, Options] = {"plan": FAST_COMPILE, "model": (), "finish": ()}
 
 
 def part_options(part: str, platform: str | None = None) -> Options:
-    """The compile options of `part` ("plan", "model", "finish" or "replay") on `platform`
-    (default: JAX's default backend)."""
+    """The compile options of `part` ("plan", "model" or "finish") on `platform` (default:
+    JAX's default backend)."""
     if part not in CPU_PART_OPTIONS:
         raise ValueError(f"part must be one of {sorted(CPU_PART_OPTIONS)}, got {part!r}")
     return CPU_PART_OPTIONS[part] if (platform or jax.default_backend()) == "cpu" else ()

@@ -24,7 +24,7 @@ from jaxsched.core.requests import (RequestBatch, add_requests, free_finished, f
                                     update, update_impl)
 from jaxsched.core.scheduler import schedule_impl, schedule_step
 from jaxsched.core.state import FINISH_NAMES, FINISHED, IGNORE_REASONS, IGNORED, init_state, is_live
-from jaxsched.engine import compile_options
+from jaxsched.core.xla_options import Options, replay_options
 from jaxsched.sim.capacity import replay_capacity
 from jaxsched.sim.trace import Trace, parse_trace
 
@@ -96,15 +96,15 @@ def run_chunk(state, batches: RequestBatch, times, arrivals_left, cap: Capacity,
 
 
 @functools.cache
-def _jitted_chunk(options: compile_options.Options) -> Callable:
+def _jitted_chunk(options: Options) -> Callable:
     return jax.jit(run_chunk, static_argnames=("cap", "check"), donate_argnums=(0,),
                    compiler_options=dict(options) or None)
 
 
 def chunk_program() -> Callable:
-    """`run_chunk` jitted with the replay's compile options on the default backend
-    (engine/compile_options.py), the state donated."""
-    return _jitted_chunk(compile_options.part_options("replay"))
+    """`run_chunk` jitted with the replays' compile options on the default backend
+    (core/xla_options.py), the state donated."""
+    return _jitted_chunk(replay_options())
 
 
 def _drained_record(state):

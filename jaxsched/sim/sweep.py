@@ -83,7 +83,7 @@ from jaxsched.core.config import PREEMPT_RECOMPUTE, PREEMPT_SWAP, SchedulerConfi
 from jaxsched.core.costs import PreemptionCosts
 from jaxsched.core.requests import RequestBatch
 from jaxsched.core.walks import BIG
-from jaxsched.engine import compile_options
+from jaxsched.core.xla_options import replay_options
 from jaxsched.sim import sweep_prune, sweep_slots, sweep_workers
 from jaxsched.sim.capacity import longest_sequence, needed_capacity, pow2, replay_capacity
 from jaxsched.sim.simulate import CHUNK_STEPS, replay_step
@@ -380,9 +380,9 @@ def _executable(args, cap, width, vmap_runs, stats, compiler_options=None, skips
     """The compiled `sweep_chunk` for these shapes (compiled once per process; the time of a
     compile goes to stats['compile_s'], split into trace_s, lower_s and xla_s).
     `compiler_options` are XLA's for this executable (benchmarks/sweep_compile.py); by
-    default the replay's (engine/compile_options.py)."""
+    default the replays' (core/xla_options.py)."""
     if compiler_options is None:
-        compiler_options = dict(compile_options.part_options("replay")) or None
+        compiler_options = dict(replay_options()) or None
     # One run per group is the map path, whose skips are each run's own: one executable.
     return _compiled(sweep_chunk, args, dict(cap=cap, width=width, vmap_runs=vmap_runs,
                                              skips=skips or vmap_runs == 1), stats, compiler_options)
