@@ -7,7 +7,7 @@ the CPU default path (the map path, a loop over runs) on one thread, persistent 
 in a fresh process per option set, the option sets interleaved round by round. Each process
 splits the compile of `sweep_chunk` into tracing (Python), lowering (to StableHLO) and XLA's compile,
 which is given the option set as `compiler_options` (XLA's debug options, for this one
-executable; the front ends' XLA_FLAGS otherwise). The split is the sweep's own `stats`. The run is the sweep's `stats['run_s']`,
+executable, added to the replays' own: core/xla_options.py; the front ends' XLA_FLAGS otherwise). The split is the sweep's own `stats`. The run is the sweep's `stats['run_s']`,
 compile apart, per run-step (run-steps: the steps each run takes to drain, summed).
 Results go to benchmarks/results/sweep_compile.{json,md}.
 """
@@ -43,7 +43,10 @@ import functools, json, sys
 from jaxsched.entrypoints.xla_flags import use_xla_flags
 use_xla_flags()
 from jaxsched.sim import sweep as sw
-sw._executable = functools.partial(sw._executable, compiler_options=json.loads(sys.argv[3]) or None)
+from jaxsched.core.xla_options import replay_options
+# Each option set on top of the replays' own (core/xla_options.py), as the front ends compile.
+sw._executable = functools.partial(sw._executable, compiler_options={**dict(replay_options()),
+                                                                     **json.loads(sys.argv[3])} or None)
 stats = {}
 sw.sweep(json.load(open(sys.argv[1])), **json.loads(sys.argv[2]), vmap_runs=1, threads=1,
          progress=False, stats=stats)
