@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import jax
 
-Options = tuple[tuple[str, object], ...]
+from jaxsched.core.xla_options import Options
 
 # LLVM at -O0 and XLA:CPU's classic elemental fusion emitters.
 FAST_COMPILE: Options = (("xla_backend_optimization_level", 0), ("xla_cpu_use_fusion_emitters", False))
