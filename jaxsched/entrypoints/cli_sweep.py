@@ -107,8 +107,8 @@ def register(subparsers) -> None:
     s("--half-slots", action="store_true",
       help="step each run at half the request slots while that surely holds it, moving it "
            "between chunks (CPU map path on threads); rows are the same either way. One more "
-           "compiled chunk for 0.73-0.81x the runs' time: pays from the persistent cache on "
-           "large grids, not on a cold start (see README)")
+           "compiled chunk for 0.78-0.97x the runs' time: pays, if at all, from the persistent "
+           "cache on large grids, not on a cold start (see README)")
     s("--gpu-memory-utilization", metavar="SPEC", help="sweep axis in memory units, e.g. 0.5:0.9:0.1: "
       "the device's share that the weights, working memory and KV cache may use (needs --model)")
     s("--swap-space", metavar="SPEC", help="sweep axis, GiB of host swap per device, e.g. 1,4,16 (needs --model)")

@@ -884,7 +884,9 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
     run at half the request slots while that surely holds it (the requests alive at a
     chunk's start plus those arriving in it fit there), moving it up before it could need
     more and back down once its highest slots are empty (sim/sweep_slots.py); rows do not
-    depend on it. Off by default, by measurement (benchmarks/results/sweep_half_slots.md):
+    depend on it. Off by default, by measurement (benchmarks/results/sweep_half_slots.md,
+    made before the replays' XLA passes, core/xla_options.py; with them the gain is smaller,
+    0.89-0.97x at 64 configurations and 0.78-0.90x at 256 in a quick check):
     a pruned grid's runs take 0.73-0.81x as long (12 s less at 1024 configurations), but
     the half-slot chunk is one more compile, as long as the first, so a cold start is
     slower at every grid size measured (1024: 74.7 against 63.1 s); with both chunks in the
