@@ -8,13 +8,12 @@ results/sweep_partitions.md). A pruned sweep reads and ships run states between 
 which costs processes more than threads: so they are used only when asked for
 (`sweep(workers=True)`), threads being as fast or faster end to end at every size measured.
 
-The parent compiles the chunk first. With JAX's persistent compilation cache on, a worker
-then compiles the same chunk through it (a cache hit); with the cache off, the parent ships
-its executable (`jax.experimental.serialize_executable`). Not both ways: an executable that
-itself came from the cache serializes without its code (the worker fails with "Function ...
-not found"). A worker keeps its shard's carry, steps it chunk by chunk on request and hands
-rows of it back, so the parent's bookkeeping (records, waves, resumed runs) is the threaded
-path's. Workers start once per process, on first use, and stay until it exits.
+The parent compiles the chunk first (or loads it: sim/executable_store.py) and ships it,
+serialized (`jax.experimental.serialize_executable`); a worker loads it in about 0.9 s,
+where compiling it again, even through JAX's persistent cache, traces and lowers it first
+(about 2 s more). A worker keeps its shard's carry, steps it chunk by chunk on request and
+hands rows of it back, so the parent's bookkeeping (records, waves, resumed runs) is the
+threaded path's. Workers start once per process, on first use, and stay until it exits.
 
 Protocol: pickled (command, args) frames on the worker's stdin; pickled ("ok", value) or
 ("error", traceback) frames on a pipe that was its stdout. Only the parent talks to it.
@@ -141,11 +140,6 @@ def close_pool() -> None:
 atexit.register(close_pool)
 
 
-# JAX's settings of the persistent compilation cache, copied to a worker that compiles through it.
-CACHE_CONFIG = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-                "jax_persistent_cache_min_entry_size_bytes", "jax_compilation_cache_max_size")
-
-
 def _whole(method):
     """A Shards method that, if it fails or is interrupted part way, closes the pool: a
     worker may have a reply not yet read, and the next sweep starts new workers instead."""
@@ -166,21 +160,16 @@ class Shards:
         self.workers = pool(count)
 
     @_whole
-    def start(self, exe, compile_args: tuple, consts, carries, firsts, times) -> None:
+    def start(self, exe, blob: bytes, consts, carries, firsts, times) -> None:
         """Give each worker the chunk and its carry. `exe` is the parent's compiled chunk,
-        `compile_args` the static arguments of `sweep._executable` that compile it."""
+        `blob` its bytes (`sweep.serialized`), shipped to a worker that lacks it."""
         import jax
         import numpy as np
-        from jax.experimental.serialize_executable import serialize
 
-        blob = None
         for worker, carry, first, when in zip(self.workers, carries, firsts, times):
-            if jax.config.jax_compilation_cache_dir:
-                how = ("compile", {name: getattr(jax.config, name) for name in CACHE_CONFIG}, compile_args)
-            elif id(exe) in worker.loaded:
+            if id(exe) in worker.loaded:
                 how = ("loaded", id(exe))
             else:
-                blob = blob or pickle.dumps(serialize(exe), protocol=pickle.HIGHEST_PROTOCOL)
                 how = ("ship", id(exe), blob)
                 worker.loaded.add(id(exe))
             worker.send("start", how, [np.asarray(x) for x in consts], jax.tree.map(np.asarray, carry),
@@ -216,7 +205,6 @@ def _serve() -> None:
 
     import jax
     import numpy as np
-    from jax.experimental.compilation_cache import compilation_cache
     from jax.experimental.serialize_executable import deserialize_and_load
 
     from jaxsched.sim import sweep as sw
@@ -231,17 +219,9 @@ def _serve() -> None:
             if command == "start":
                 how, host_consts, host_carry, first, when = args
                 consts, carry = [jax.device_put(x) for x in host_consts], jax.device_put(host_carry)
-                if how[0] == "compile":     # through the persistent cache the parent filled
-                    changed = {k: v for k, v in how[1].items() if getattr(jax.config, k) != v}
-                    for name, setting in changed.items():
-                        jax.config.update(name, setting)
-                    if changed:                 # a cache set up before without these settings
-                        compilation_cache.reset_cache()
-                    exe = sw._executable((carry, *consts, first, when), *how[2], {})
-                else:
-                    if how[0] == "ship":
-                        executables[how[1]] = deserialize_and_load(*pickle.loads(how[2]))
-                    exe = executables[how[1]]
+                if how[0] == "ship":
+                    executables[how[1]] = deserialize_and_load(*pickle.loads(how[2]))
+                exe = executables[how[1]]
                 value = None
             elif command == "advance":
                 carry, rec = exe(carry, *consts, *args)
