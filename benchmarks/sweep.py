@@ -359,7 +359,7 @@ def main() -> None:
     if starts:
         lines += ["## Compile time across starts (map sweep, persistent compilation cache)", "",
                   "Fresh processes, one shared cache directory, empty before the first; compile_s is the "
-                  "sweep's (tracing, lowering, and XLA or the cache).", "",
+                  "sweep's (tracing, lowering and XLA, or loading the chunk from the executable store).", "",
                   markdown_table(starts, list(starts[0])), ""]
     if fresh:
         lines += ["## Threads or worker processes, end to end (fresh processes, warm persistent cache)", "",
