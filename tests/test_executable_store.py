@@ -2,6 +2,7 @@
 load in another process even when JAX's cache had the program first."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -117,3 +118,35 @@ def test_compile_fresh__serializes_with_its_code_though_jax_cache_had_it(tmp_pat
     assert "not found" in run("load", cache, str(tmp_path / "plain")).stderr
     loaded = run("load", cache, str(tmp_path / "fresh"))
     assert loaded.returncode == 0 and loaded.stdout.split("\n")[0] == "[22.0, 41.0, 57.0, 70.0, 80.0, 87.0, 91.0, 92.0]"
+
+
+SIMULATE = """
+import json, sys
+from jaxsched.entrypoints.compilation_cache import enable_compilation_cache
+enable_compilation_cache(sys.argv[2])
+from jaxsched.sim import simulate as sm
+if sys.argv[1] == "load":           # the chunk must come from the store: tracing it fails
+    def run_chunk(*args, **kwargs):
+        raise AssertionError("simulate traced its chunk")
+    sm.run_chunk = run_chunk
+trace = json.load(open(sys.argv[3]))
+print(json.dumps(sm.simulate(trace["config"], trace["requests"])))
+"""
+
+
+def test_simulate__a_second_process_loads_its_chunk_without_tracing_it(tmp_path):
+    from conftest import make_requests
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"config": dict(block_size=16, num_device_blocks=12, num_host_blocks=16,
+                                                max_num_seqs=4, max_num_batched_tokens=256, max_model_len=256),
+                                 "requests": make_requests(12, seed=3, prompt=(1, 120), max_tokens=(1, 30))}))
+    env = {k: v for k, v in os.environ.items() if k != "JAXSCHED_COMPILATION_CACHE_DIR"}
+    cache = tmp_path / "cache"
+    results = []
+    for mode in ("fill", "load"):
+        got = subprocess.run([sys.executable, "-c", SIMULATE, mode, str(cache), str(trace)], env=env,
+                             capture_output=True, text=True, timeout=300)
+        assert got.returncode == 0, got.stderr[-3000:]
+        results.append(json.loads(got.stdout.strip().splitlines()[-1]))
+    assert len(list((cache / store.SUBDIR).glob("*" + store.SUFFIX))) == 1
+    assert results[0] == results[1] and results[0]["num_preemptions"] > 0

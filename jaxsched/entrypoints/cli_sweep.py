@@ -339,8 +339,9 @@ def cmd_sweep(args) -> int:
              if stats.get(k)]
     print(f"swept {args.trace}: {len(rows)} runs" + (f" ({'; '.join(saved)})" if saved else ""))
     # Time to stderr, apart from the results: compiling the chunk can outlast a small grid's runs.
-    loaded = " (the chunk loaded from the compilation cache)" if stats.get("loaded") else ""
-    print(f"sweep: compile {stats['compile_s']:.1f} s{loaded}, runs {stats['run_s']:.1f} s", file=sys.stderr)
+    if "compile_s" in stats:
+        loaded = " (the chunk loaded from the compilation cache)" if stats.get("loaded") else ""
+        print(f"sweep: compile {stats['compile_s']:.1f} s{loaded}, runs {stats['run_s']:.1f} s", file=sys.stderr)
     print(markdown_table(rows, columns))
     if args.min_goodput is not None:
         pick = pick_smallest(rows, args.min_goodput)

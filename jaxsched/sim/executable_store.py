@@ -1,8 +1,9 @@
-"""Compiled sweep chunks kept on disk and found without tracing or lowering.
+"""Compiled replay chunks (`sweep`'s and `simulate`'s) kept on disk, found without tracing.
 
 JAX's persistent compilation cache keys an executable by its lowered HLO, so a start that
 hits it has still traced and lowered the chunk first: about 1.9 s of the 2.8-2.9 s a
-cached sweep compile took (benchmarks/results/sweep.md). This store keys the executable by
+cached sweep compile took (benchmarks/results/sweep.md), about 2 s of a warm
+`jaxsched simulate`. This store keys the executable by
 what that HLO is made from instead: jaxsched's source, jax's version and the options that
 change a trace, the backend and the host's CPU, XLA_FLAGS and the compile options, the
 function, its static arguments and its arguments' structure and shapes. A hit deserializes
@@ -30,6 +31,7 @@ import pathlib
 import pickle
 import platform
 import tempfile
+import time
 from typing import Any
 
 import jax
@@ -38,7 +40,7 @@ import jaxlib
 SUBDIR = "jaxsched-executables"
 SUFFIX = ".exe"
 # A sweep chunk's entry is about 3.6 MB on XLA:CPU; a sweep writes one per capacity and
-# batch shape (two with half slots).
+# batch shape (two with half slots), simulate one per capacity and arrival width.
 MAX_ENTRIES = 32
 # jax options that change what a trace gives, besides the arguments.
 TRACE_OPTIONS = ("jax_enable_x64", "jax_default_matmul_precision", "jax_numpy_dtype_promotion",
@@ -156,3 +158,38 @@ def compile_fresh(lowered, options: dict | None):
     finally:
         jax.config.update("jax_enable_compilation_cache", was)
         compilation_cache.reset_cache()
+
+
+def compile_or_load(fn, args, static: dict, options: dict | None, stats: dict, store: bool = True):
+    """(`fn` (a jitted function) compiled for `args` and its `static` arguments, its bytes
+    or None): loaded from the store when it is on and has it, else traced, lowered and
+    compiled, and saved there. `stats` sums the seconds: load_s, or trace_s, lower_s,
+    xla_s and save_s; each into compile_s; and counts `loaded` or `compiles`."""
+    t0 = time.perf_counter()
+    where = directory() if store else None
+    if where is not None:
+        name = key(fn.__name__, static, args, options)
+        found = load(where, name)
+        if found is not None:
+            seconds = time.perf_counter() - t0
+            for field in ("load_s", "compile_s"):
+                stats[field] = stats.get(field, 0.0) + seconds
+            stats["loaded"] = stats.get("loaded", 0) + 1
+            return found
+    traced = fn.trace(*args, **static)
+    t1 = time.perf_counter()
+    lowered = traced.lower()
+    t2 = time.perf_counter()
+    exe = compile_fresh(lowered, options) if where is not None else lowered.compile(options)
+    t3 = end = time.perf_counter()
+    blob = None
+    if where is not None:
+        blob = serialized(exe)
+        save(where, name, blob)
+        end = time.perf_counter()
+        stats["save_s"] = stats.get("save_s", 0.0) + end - t3
+    for field, seconds in (("trace_s", t1 - t0), ("lower_s", t2 - t1), ("xla_s", t3 - t2),
+                           ("compile_s", end - t0)):
+        stats[field] = stats.get(field, 0.0) + seconds
+    stats["compiles"] = stats.get("compiles", 0) + 1
+    return exe, blob

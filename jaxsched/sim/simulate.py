@@ -25,6 +25,7 @@ from jaxsched.core.requests import (RequestBatch, add_requests, free_finished, f
 from jaxsched.core.scheduler import schedule_impl, schedule_step
 from jaxsched.core.state import FINISH_NAMES, FINISHED, IGNORE_REASONS, IGNORED, init_state, is_live
 from jaxsched.core.xla_options import Options, replay_options
+from jaxsched.sim import executable_store
 from jaxsched.sim.capacity import replay_capacity
 from jaxsched.sim.trace import Trace, parse_trace
 
@@ -107,6 +108,29 @@ def chunk_program() -> Callable:
     return _jitted_chunk(replay_options())
 
 
+# Chunks from `executable_store` in this process: (capacity, check, argument shapes, options)
+# -> executable.
+_STORED: dict = {}
+
+
+def _chunk_runner(cap: Capacity, check: bool) -> Callable:
+    """f(state, batches, times, arrivals_left) running one chunk: `chunk_program`, or, while
+    JAX's persistent cache is on, its executable through `executable_store`, so that a later
+    process loads it without tracing or lowering it."""
+    if executable_store.directory() is None:
+        return functools.partial(chunk_program(), cap=cap, check=check)
+    options = dict(replay_options()) or None
+
+    def run(*args):
+        shapes = tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(args))
+        key = (cap, check, shapes, tuple(sorted((options or {}).items())))
+        if key not in _STORED:
+            _STORED[key], _ = executable_store.compile_or_load(
+                _jitted_chunk(replay_options()), args, dict(cap=cap, check=check), options, {})
+        return _STORED[key](*args)
+    return run
+
+
 def _drained_record(state):
     """sim_step's outputs, all zero, for a skipped step."""
     g = state.status.shape[0]
@@ -176,6 +200,7 @@ def _replay(trace: Trace, cfg: SchedulerConfig, arrivals, width: int, check_inva
     """`simulate` at the capacity of `cfg`; SlotsExceeded when a request found no free slot."""
     cap = cfg.capacity()
     last_arrival = max(arrivals, default=-1)
+    run = _chunk_runner(cap, check_invariants)
     # Committed like the scan's outputs, so the second chunk reuses the first one's executable.
     state = jax.device_put(init_state(cfg), jax.devices()[0])
     records, frees = [], []
@@ -188,8 +213,7 @@ def _replay(trace: Trace, cfg: SchedulerConfig, arrivals, width: int, check_inva
         k = min(CHUNK_STEPS, trace.max_steps - step)
         batches, times = _chunk_inputs(trace, arrivals, step, k, width, cap)
         left = jnp.asarray(np.arange(step, step + k) <= last_arrival)
-        state, (rec, free, flags, overflow) = chunk_program()(state, batches, times, left, cap=cap,
-                                                              check=check_invariants)
+        state, (rec, free, flags, overflow) = run(state, batches, times, left)
         rec, free, flags, overflow = (np.asarray(x) for x in (rec, free, flags, overflow))
         if overflow.any():
             raise SlotsExceeded(f"simulate: more than num_slots={cap.num_slots} requests alive at "

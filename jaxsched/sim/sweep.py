@@ -396,42 +396,16 @@ def _executable(args, cap, width, vmap_runs, stats, compiler_options=None, skips
 
 def _compiled(fn, args, static: dict, stats, compiler_options=None, store: bool = False):
     """`fn` (a jitted function) compiled for these arguments' shapes and its static
-    arguments, once per process, its compile time counted in `stats`. With `store`, looked
-    up in `executable_store` before anything is traced, and saved there once compiled."""
+    arguments, once per process, its compile time counted in `stats`. With `store`, through
+    `executable_store` (looked up before anything is traced, saved once compiled)."""
     shapes = tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(args))
     key = (fn, tuple(static.items()), shapes, tuple(sorted((compiler_options or {}).items())))
     exe = _EXECUTABLES.get(key)
-    if exe is not None:
-        return exe
-    t0 = time.perf_counter()
-    where = executable_store.directory() if store else None
-    if where is not None:
-        name = executable_store.key(fn.__name__, static, args, compiler_options)
-        found = executable_store.load(where, name)
-        if found is not None:
-            exe, _SERIALIZED[id(exe)] = found
-            _EXECUTABLES[key] = exe
-            seconds = time.perf_counter() - t0
-            for field in ("load_s", "compile_s"):
-                stats[field] = stats.get(field, 0.0) + seconds
-            stats["loaded"] = stats.get("loaded", 0) + 1
-            return exe
-    traced = fn.trace(*args, **static)
-    t1 = time.perf_counter()
-    lowered = traced.lower()
-    t2 = time.perf_counter()
-    exe = (executable_store.compile_fresh(lowered, compiler_options) if where is not None
-           else lowered.compile(compiler_options))
-    t3 = end = time.perf_counter()
-    _EXECUTABLES[key] = exe
-    if where is not None:
-        executable_store.save(where, name, serialized(exe))
-        end = time.perf_counter()
-        stats["save_s"] = stats.get("save_s", 0.0) + end - t3
-    for field, seconds in (("trace_s", t1 - t0), ("lower_s", t2 - t1), ("xla_s", t3 - t2),
-                           ("compile_s", end - t0)):
-        stats[field] = stats.get(field, 0.0) + seconds
-    stats["compiles"] = stats.get("compiles", 0) + 1
+    if exe is None:
+        exe, blob = executable_store.compile_or_load(fn, args, static, compiler_options, stats, store)
+        _EXECUTABLES[key] = exe
+        if blob is not None:
+            _SERIALIZED[id(exe)] = blob
     return exe
 
 
