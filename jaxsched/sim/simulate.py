@@ -23,7 +23,8 @@ from jaxsched.core import batching
 from jaxsched.core.requests import (RequestBatch, add_requests, free_finished, free_finished_impl,
                                     update, update_impl)
 from jaxsched.core.scheduler import schedule_impl, schedule_step
-from jaxsched.core.state import FINISH_NAMES, FINISHED, IGNORE_REASONS, IGNORED, init_state, is_live
+from jaxsched.core.state import (FINISH_NAMES, FINISHED, IGNORE_REASONS, IGNORED, empty_state, is_live,
+                                  make_limits)
 from jaxsched.core.xla_options import Options, replay_options
 from jaxsched.sim import executable_store
 from jaxsched.sim.capacity import replay_capacity
@@ -106,6 +107,14 @@ def chunk_program() -> Callable:
     """`run_chunk` jitted with the replays' compile options on the default backend
     (core/xla_options.py), the state donated."""
     return _jitted_chunk(replay_options())
+
+
+@functools.partial(jax.jit, static_argnames="cap")
+def _first_state(limits, rng, artificial_count, cap: Capacity):
+    """`init_state` in one compiled call per capacity: built eagerly, the same is a few dozen
+    small XLA compiles of its own (about 1.1 s of a warm `jaxsched simulate`). The key comes
+    made, as `init_state` makes it: PRNGKey of a Python int takes seeds past int32."""
+    return empty_state(cap, limits, 0, artificial_count).replace(rng=rng)
 
 
 # Chunks from `executable_store` in this process: (capacity, check, argument shapes, options)
@@ -202,7 +211,8 @@ def _replay(trace: Trace, cfg: SchedulerConfig, arrivals, width: int, check_inva
     last_arrival = max(arrivals, default=-1)
     run = _chunk_runner(cap, check_invariants)
     # Committed like the scan's outputs, so the second chunk reuses the first one's executable.
-    state = jax.device_put(init_state(cfg), jax.devices()[0])
+    state = jax.device_put(_first_state(make_limits(cfg), jax.random.PRNGKey(cfg.seed),
+                                        cfg.artificial_preemption_count, cap=cap), jax.devices()[0])
     records, frees = [], []
     num_requests, finished = len(trace.requests), 0
     step = 0
