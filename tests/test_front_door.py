@@ -349,3 +349,15 @@ def test_xla_flags__ours_extend_for_the_sweep_and_never_replace_the_users(monkey
     done = subprocess.run([sys.executable, "-c", "import jax.numpy as j; print(int(j.ones(3).sum()))"],
                           env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "3", done.stderr[-2000:]
+
+
+def test_cli__building_the_parser_imports_no_web_framework():
+    """Every `jaxsched` command builds the whole parser, `serve`'s flags included: that must
+    not import the server's FastAPI (about 1.3 s of each start)."""
+    script = ("import sys\n"
+              "from jaxsched.entrypoints.cli import build_parser\n"
+              "args = build_parser().parse_args(['serve', '--port', '9'])\n"
+              "assert args.port == 9 and callable(args.func)\n"
+              "print(sorted(m for m in ('fastapi', 'uvicorn', 'starlette') if m in sys.modules))\n")
+    got = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert got.returncode == 0 and got.stdout.strip() == "[]", got.stdout + got.stderr[-2000:]

@@ -301,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
       help="write load, first-token, compile and total seconds here")
     add_engine_args(gen, DEFAULT_ENGINE)
     gen.set_defaults(func=cmd_generate)
-    from jaxsched.entrypoints.openai_server import register as register_serve
+    from jaxsched.entrypoints.cli_serve import register as register_serve
     register_serve(sub)                              # `serve`
     _show_defaults(parser)
     return parser
