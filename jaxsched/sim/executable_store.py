@@ -2,12 +2,12 @@
 
 JAX's persistent compilation cache keys an executable by its lowered HLO, so a start that
 hits it has still traced and lowered the chunk first: about 1.9 s of the 2.8-2.9 s a
-cached sweep compile took (benchmarks/results/sweep.md), about 2 s of a warm
-`jaxsched simulate`. This store keys the executable by
-what that HLO is made from instead: jaxsched's source, jax's version and the options that
-change a trace, the backend and the host's CPU, XLA_FLAGS and the compile options, the
-function, its static arguments and its arguments' structure and shapes. A hit deserializes
-the executable (`jax.experimental.serialize_executable`) and skips all three steps.
+cached sweep compile took (benchmarks/results/sweep.md), about 2 s of a warm `jaxsched
+simulate`. This store keys the executable by what that HLO is made from instead: jaxsched's
+source, jax's version and the options that change a trace, the backend and the host's CPU,
+XLA_FLAGS and the compile options, the function, its static arguments and its arguments'
+structure and shapes. A hit deserializes the executable
+(`jax.experimental.serialize_executable`) and skips all three steps.
 
 It lives beside JAX's cache, in `<jax_compilation_cache_dir>/jaxsched-executables` (JAX's
 own eviction looks only at the top level), and is on exactly when that cache is: the front
