@@ -192,15 +192,21 @@ def test_sweep__loop_over_runs_equals_vmap_and_unit_step_cost_counts_steps(vmapp
 
 
 def test_sweep__runs_split_over_threads_give_the_same_rows_in_grid_order(vmapped):
-    """3 shards of 16 runs on the looped path: dealt out round-robin, the last shard padded with
-    a drained run (the vmapped path on two threads is the fixture, checked against simulate)."""
+    """3 shards of 16 runs on the looped path: dealt out round-robin, each padded with drained
+    runs to a power of two (the vmapped path on two threads is the fixture, checked against
+    simulate). A grid of another size within that power of two compiles nothing again."""
     rows, _ = vmapped
     key = lambda rs: [{k: r[k] for k in (*GRID, *METRICS)} for r in rs]   # noqa: E731
     stats = {}
     threaded = sweep(TRACE, **GRID, capacity=CAPACITY, vmap_runs=1, threads=3, progress=False, stats=stats)
-    assert stats["threads"] == 3 and set(stats["shard_sizes"]) == {6}    # each wave (pruning) as one
+    assert stats["threads"] == 3 and set(stats["shard_sizes"]) == {8}    # each wave (pruning) as one
     assert stats["workers"] == 0         # worker processes only when asked for (workers=True)
     assert key(threaded) == key(rows)
+    again = {}
+    more = sweep(TRACE, **dict(GRID, num_device_blocks=[8, 12, 16, 20, 32]), capacity=CAPACITY,
+                 vmap_runs=1, threads=3, progress=False, stats=again)
+    assert set(again["shard_sizes"]) == {8} and again["compiles"] == 0, again
+    assert key([r for r in more if r["num_device_blocks"] != 16]) == key(rows)
     with pytest.raises(SweepError, match="threads must be a positive integer"):
         sweep(TRACE, **GRID, capacity=CAPACITY, threads=0, progress=False)
 

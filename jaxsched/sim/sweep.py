@@ -42,7 +42,8 @@ costs about the same for 16 runs as for 1024 (3.3 us per run-step at 1024 on an 
 0.06x the cost at 16: benchmarks/results/sweep_gpu.md). A vmapped batch skips what none of
 its runs needs (`vmap_skips`, measured against masking every branch). Compile time is
 reported apart (`stats`); one compiled chunk serves every batch of the same capacity and
-shape within a process, and `jaxsched sweep` turns on the persistent compilation cache
+shape within a process (on the map path a power of two runs per shard, so grids up to twice
+apart in size share it), and `jaxsched sweep` turns on the persistent compilation cache
 across processes, where the chunk's executable is kept by `executable_store`: a later start
 loads it without tracing or lowering it (about 1 s, against 2.8 s through JAX's cache).
 
@@ -458,9 +459,13 @@ def _shard_size(live: int, first: int, shards: int, vmap_runs: int) -> tuple[int
     """(runs per shard, runs per vmap group) for `live` runs left of `first`.
 
     The first batch holds every run; a compacted one a power of two per shard, so a sweep
-    compiles for at most log2(runs) + 1 batch shapes.
+    compiles for at most log2(runs) + 1 batch shapes. On the map path every batch is a power
+    of two per shard: it does not visit padding, and grids of sizes up to twice apart share
+    one compiled chunk (20 and 32 runs per shard alike: one compile, one stored executable).
     """
     size = -(-live // shards)
+    if vmap_runs == 1:
+        return pow2(size), 1
     if live < first:
         size = min(pow2(size), -(-first // shards))
     group = min(vmap_runs, size)
