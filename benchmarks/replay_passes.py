@@ -3,9 +3,10 @@
     python benchmarks/replay_passes.py [--size 16] [--chunks 8] [--rounds 10]
 
 The 500-request trace and grid of `benchmarks/sweep.py` (--size configurations), on the CPU
-map path (a loop over runs), one shard. The first batch of the sweep is captured; its
-chunk is compiled with each option set (`compiler_options`, for that executable only), and
-the executables then step copies of the same batch through the first --chunks chunks in
+map path (a loop over runs), one shard. The sweep's first call of its chunk is captured
+(a block of `sweep.MAP_BLOCK` runs; before the map path stepped blocks, the whole batch);
+its chunk is compiled with each option set (`compiler_options`, for that executable
+only), and the executables then step copies of the same block through the first --chunks chunks in
 turn, round after round in one process, so that load from elsewhere hits them alike.
 Reported per option set: XLA's compile (lowering apart; the least of --compiles, also
 interleaved), the compiled program's fusions,
@@ -45,7 +46,7 @@ class _Captured(Exception):
 
 
 def first_batch(size: int):
-    """(args, static arguments) of the sweep's first chunk call, as host arrays."""
+    """(args, static arguments) of the sweep's first chunk call (its first block), as host arrays."""
     got = {}
     real = sw._compiled
 

@@ -34,8 +34,8 @@ prompts of ~60 and outputs of ~25 tokens, 20% of requests with n in 2..4), swept
 Compile time (tracing and XLA) is the sweep's own `stats['compile_s']`, apart from the wall
 time of the runs. A second table starts fresh processes on the 64-configuration map sweep with
 the persistent compilation cache (as `jaxsched sweep` has it) in an empty directory: the first
-start compiles, a second start of the same grid and a start of another grid of the same
-capacity load the executable from disk. Run-steps are the steps each run takes to drain,
+start compiles, a second start of the same grid, a start of another grid of the same
+capacity and one of the 16-configuration grid (the same capacity) load the executable from disk. Run-steps are the steps each run takes to drain,
 summed over the grid.
 Every timed python-loop and simulate run is checked against the sweep's row for its
 configuration (steps and preemptions). Results go to benchmarks/results/sweep.{json,md} and
@@ -259,12 +259,13 @@ def compile_starts(trace, size: int = 64) -> list:
     with tempfile.TemporaryDirectory() as tmp:
         path = pathlib.Path(tmp) / "trace.json"
         path.write_text(json.dumps(trace))
-        for start, ax in (("first start, empty cache", axes), ("second start, same grid", axes),
-                          ("another grid of the same capacity", other)):
+        for start, ax, n in (("first start, empty cache", axes, size), ("second start, same grid", axes, size),
+                             ("another grid of the same capacity", other, size),
+                             ("a smaller grid of the same capacity", grid(16), 16)):
             env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
             got = subprocess.run([sys.executable, "-c", START, str(path), json.dumps(ax), str(pathlib.Path(tmp) / "xla")],
                                  env=env, check=True, capture_output=True, text=True)
-            out.append(dict(configs=size, start=start, **json.loads(got.stdout.strip().splitlines()[-1])))
+            out.append(dict(configs=n, start=start, **json.loads(got.stdout.strip().splitlines()[-1])))
     return out
 
 

@@ -34,6 +34,8 @@ TRACE = generate_trace(24, rate=0.5, prompt=LogNormal(4.0, 0.6), output=LogNorma
 GRID = dict(num_device_blocks=[8, 12, 20, 32], max_num_seqs=[4, 8], preemption_mode=["recompute", "swap"])
 CAPACITY = dict(num_slots=32, max_seqs_per_group=4, max_blocks_per_seq=9,
                 num_device_blocks_capacity=32, num_host_blocks_capacity=16)
+# 40 configurations: on the map path's two shards, three blocks of sw.MAP_BLOCK runs each.
+WIDE_GRID = dict(GRID, num_device_blocks=[8, 10, 12, 14, 16, 20, 24, 28, 32, 9])
 METRICS = ("steps", "preempted_recompute", "preempted_swap", "num_preemptions", "swapped_in",
            "blocks_swapped_out", "blocks_swapped_in", "ignored", "latency_mean", "latency_p99",
            "peak_device_blocks_used", "peak_host_blocks_used")
@@ -192,21 +194,28 @@ def test_sweep__loop_over_runs_equals_vmap_and_unit_step_cost_counts_steps(vmapp
 
 
 def test_sweep__runs_split_over_threads_give_the_same_rows_in_grid_order(vmapped):
-    """3 shards of 16 runs on the looped path: dealt out round-robin, each padded with drained
-    runs to a power of two (the vmapped path on two threads is the fixture, checked against
-    simulate). A grid of another size within that power of two compiles nothing again."""
+    """3 shards on the looped path, each stepped in blocks of MAP_BLOCK runs (dealt out
+    round-robin, padded with drained runs): the rows equal the vmapped path's on two
+    threads (the fixture, checked against simulate). A grid of another size, one run or
+    five blocks' worth, and on other thread counts, compiles nothing again: one map-path
+    executable per capacity."""
     rows, _ = vmapped
     key = lambda rs: [{k: r[k] for k in (*GRID, *METRICS)} for r in rs]   # noqa: E731
     stats = {}
     threaded = sweep(TRACE, **GRID, capacity=CAPACITY, vmap_runs=1, threads=3, progress=False, stats=stats)
-    assert stats["threads"] == 3 and set(stats["shard_sizes"]) == {8}    # each wave (pruning) as one
+    assert stats["threads"] == 3 and set(stats["shard_sizes"]) == {sw.MAP_BLOCK} == {8}
+    assert stats["blocks"] == 3          # 16 runs: 6, 5 and 5 a shard, one block each
     assert stats["workers"] == 0         # worker processes only when asked for (workers=True)
     assert key(threaded) == key(rows)
-    again = {}
-    more = sweep(TRACE, **dict(GRID, num_device_blocks=[8, 12, 16, 20, 32]), capacity=CAPACITY,
-                 vmap_runs=1, threads=3, progress=False, stats=again)
-    assert set(again["shard_sizes"]) == {8} and again["compiles"] == 0, again
-    assert key([r for r in more if r["num_device_blocks"] != 16]) == key(rows)
+    for grid, threads, many in ((WIDE_GRID, 2, 6),
+                                (dict(num_device_blocks=[12], max_num_seqs=[8], preemption_mode=["swap"]), 1, 1)):
+        again = {}
+        more = sweep(TRACE, **grid, capacity=CAPACITY, vmap_runs=1, threads=threads, progress=False,
+                     stats=again, prune=False)
+        assert again["blocks"] == many and set(again["shard_sizes"]) == {8} and again["compiles"] == 0, again
+        assert key([r for r in more if r["num_device_blocks"] in GRID["num_device_blocks"]]) == \
+            key([r for r in rows if r["num_device_blocks"] in grid["num_device_blocks"]
+                 and r["max_num_seqs"] in grid["max_num_seqs"] and r["preemption_mode"] in grid["preemption_mode"]])
     with pytest.raises(SweepError, match="threads must be a positive integer"):
         sweep(TRACE, **GRID, capacity=CAPACITY, threads=0, progress=False)
 
@@ -318,6 +327,13 @@ def test_sweep__worker_processes_give_the_threads_rows_and_a_dead_one_is_replace
     waved = sweep(TRACE, **GRID, capacity=CAPACITY, vmap_runs=1, threads=2, progress=False, prune=True,
                   workers=True, stats=pruned)
     assert pruned["workers"] == 2 and pruned["waves"] == 3 and pruned["resumed"] > 0 and waved == rows
+    # Several blocks a worker, pruned: start states read from any block of either worker.
+    wide, on_threads = {}, {}
+    assert sweep(TRACE, **WIDE_GRID, capacity=CAPACITY, vmap_runs=1, threads=2, progress=False,
+                 workers=True, prune=True, stats=wide) == \
+        sweep(TRACE, **WIDE_GRID, capacity=CAPACITY, vmap_runs=1, threads=2, progress=False,
+              prune=True, stats=on_threads)
+    assert wide["workers"] == 2 and wide["blocks"] == 6 and wide["resumed"] > 0 and wide["waves"] == 3
     dead = sweep_workers.pool(2)[0]
     dead.proc.kill()
     dead.proc.wait()

@@ -21,9 +21,9 @@ Two ways to step a batch of runs inside the compiled call (`vmap_runs`):
 
   the map path (vmap_runs=1): one live run after another; each run's `lax.cond` skips are
       its own, and a drained run (or padding) is not visited. The runs are also split into
-      one shard per core, each stepped by the same compiled call on its own host thread
-      (`threads`), or, on request, in its own worker process pinned to a CPU (`workers`,
-      sim/sweep_workers.py).
+      one shard per core, each stepped on its own host thread (`threads`), or, on request,
+      in its own worker process pinned to a CPU (`workers`, sim/sweep_workers.py), in
+      blocks of MAP_BLOCK runs: one call of the compiled chunk per block with a live run.
   jax.vmap (vmap_runs > 1): groups of runs stepped together, with their run axis named and
       the step traced under `core.batching.runs_axis`: every skip of the scheduler is
       decided once for the group (the predicate an `any` over runs, so a `lax.cond` stays a
@@ -42,8 +42,8 @@ costs about the same for 16 runs as for 1024 (3.3 us per run-step at 1024 on an 
 0.06x the cost at 16: benchmarks/results/sweep_gpu.md). A vmapped batch skips what none of
 its runs needs (`vmap_skips`, measured against masking every branch). Compile time is
 reported apart (`stats`); one compiled chunk serves every batch of the same capacity and
-shape within a process (on the map path a power of two runs per shard, so grids up to twice
-apart in size share it), and `jaxsched sweep` turns on the persistent compilation cache
+shape within a process (on the map path every grid of a capacity, whatever its size: the
+blocks are all MAP_BLOCK runs), and `jaxsched sweep` turns on the persistent compilation cache
 across processes, where the chunk's executable is kept by `executable_store`: a later start
 loads it without tracing or lowering it (about 1 s, against 2.8 s through JAX's cache).
 
@@ -313,6 +313,11 @@ def _step(carry, x, cols, arrival_time, tokens, cap, width):
 
 
 RUNS = "runs"       # the vmap axis name of a batch of runs (core.batching decides skips over it)
+# Runs per call of the map path's compiled chunk (`_layout`). A fixed block makes the chunk
+# one executable per capacity for every grid size; a block's call is 64 steps of up to 8
+# runs (about 25 ms at 50 us a run-step), so its dispatch is noise, and a shard with few
+# runs left calls only the blocks that hold them.
+MAP_BLOCK = 8
 # Compiled programs of a sweep (`_compiled`): (function, static arguments, argument shapes,
 # XLA options) -> executable: the chunk step per batch shape, and `first_batch`.
 _EXECUTABLES: dict = {}
@@ -420,18 +425,16 @@ def serialized(exe) -> bytes:
     return blob
 
 
-@functools.partial(jax.jit, static_argnames=("capacity", "shards"))
-def first_batch(limits, per_request, seed, artificial_count, capacity, shards):
-    """The starting carry of every shard: an empty state of `capacity` for each run, with
-    that run's `limits` (stacked), and its per_request rows. One compiled call per capacity
-    and batch shape: built eagerly, the same takes a few dozen small XLA compiles and
-    dispatches of its own (about 2 s of a first sweep)."""
+@functools.partial(jax.jit, static_argnames=("capacity",))
+def first_batch(limits, per_request, seed, artificial_count, capacity):
+    """The starting carry (state, per_request) of a block or shard of runs: an empty state
+    of `capacity` for each run, with that run's `limits` (stacked), and its per_request
+    rows. One compiled call per capacity and block shape: built eagerly, the same takes a
+    few dozen small XLA compiles and dispatches of its own (about 2 s of a first sweep)."""
     runs = per_request.shape[0]
     one = empty_state(capacity, jax.tree.map(lambda x: x[0], limits), seed, artificial_count)
     state = jax.tree.map(lambda x: jnp.broadcast_to(x, (runs,) + x.shape), one).replace(limits=limits)
-    size = runs // shards
-    return [jax.tree.map(lambda x: x[i * size:(i + 1) * size], (state, per_request))
-            for i in range(shards)]
+    return state, per_request
 
 
 def default_threads() -> int:
@@ -456,22 +459,33 @@ def default_vmap_skips() -> bool:
 
 
 def _shard_size(live: int, first: int, shards: int, vmap_runs: int) -> tuple[int, int]:
-    """(runs per shard, runs per vmap group) for `live` runs left of `first`.
-
-    The first batch holds every run; a compacted one a power of two per shard, so a sweep
-    compiles for at most log2(runs) + 1 batch shapes. On the map path every batch is a power
-    of two per shard: it does not visit padding, and grids of sizes up to twice apart share
-    one compiled chunk (20 and 32 runs per shard alike: one compile, one stored executable).
-    """
+    """(runs per shard, runs per vmap group) of a vmapped batch for `live` runs left of
+    `first`. The first batch holds every run; a compacted one a power of two per shard, so
+    a sweep compiles for at most log2(runs) + 1 batch shapes. (The map path steps blocks of
+    MAP_BLOCK runs instead: `_layout`.)"""
     size = -(-live // shards)
-    if vmap_runs == 1:
-        return pow2(size), 1
     if live < first:
         size = min(pow2(size), -(-first // shards))
     group = min(vmap_runs, size)
     if 1 < group < size:
         size = -(-size // group) * group
     return size, group
+
+
+def _layout(positions: int, threads: int, vmap_runs: int) -> tuple[int, int, int, int]:
+    """(shards, runs per block, runs per vmap group, blocks per shard) for a batch of
+    `positions` runs on `threads` host threads (or worker processes).
+
+    Each shard is stepped by its own thread, one block after another, each block by one
+    call of the compiled chunk. On the map path a block is MAP_BLOCK runs whatever the
+    grid, padded with drained runs that are never visited (nor is a block with no live
+    run called), so one executable per capacity serves grids of every size; a vmapped
+    batch is one block per shard (`_shard_size`)."""
+    shards = max(1, min(threads, positions))
+    if vmap_runs == 1:
+        return shards, MAP_BLOCK, 1, -(-positions // (shards * MAP_BLOCK))
+    size, group = _shard_size(positions, positions, shards, vmap_runs)
+    return shards, size, group, 1
 
 
 def _deal(count: int, total: int, shards: int, work=None) -> np.ndarray:
@@ -529,8 +543,9 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
     the map path with two shards or more, each shard is held and stepped by a worker
     process pinned to its own CPU (`sweep_workers`) instead of a host thread.
 
-    The runs are stacked in a batch, split into `threads` equal shards, each stepped by the
-    same compiled call on its own host thread (XLA releases the GIL while it runs). Between
+    The runs are stacked in a batch, split into `threads` equal shards, each stepped on its
+    own host thread (XLA releases the GIL while it runs), a block of runs per call of the
+    same compiled chunk (`_layout`: on the map path MAP_BLOCK runs). Between
     chunks, runs that have drained are dropped from the batch (compaction): when the runs
     left fit a quarter of the batch (a power of two per shard) they are gathered into it, so a long
     tail of slow runs does not carry the whole grid (vmapped runs only: the map path does
@@ -544,11 +559,11 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
     cap_config = dataclasses.replace(configs[0], **cap)
     reqs, runs = trace.requests, len(configs)
     positions = max(runs, batch or 0)
-    shards = max(1, min(threads, positions))
-    size, group = _shard_size(positions, positions, shards, vmap_runs)
+    shards, size, group, per_shard = _layout(positions, threads, vmap_runs)
+    blocks = shards * per_shard     # carries of `size` runs; shard i steps blocks i*per_shard..
     # Workers start now, so that they load while the parent compiles.
     remote = sweep_workers.Shards(shards) if workers and group == 1 and shards > 1 else None
-    ids = _deal(runs, size * shards, shards, work)  # the run at each position (-1: padding)
+    ids = _deal(runs, size * blocks, shards, work)  # the run at each position (-1: padding)
     limits = stacked_limits([configs[r if r >= 0 else runs - 1] for r in ids])
     # A padding run starts drained (every request has a finish step): never stepped.
     per_request = np.full((len(ids), 4, len(reqs)), -1, np.int32)
@@ -560,13 +575,20 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
     half = cap["num_slots"] // 2 if half_slots else 0
     small_at = (ids >= 0) & bool(half) & ~np.isin(ids, list(starts))   # positions at half the slots
     # A position is stepped in the batch that holds its run; in the other it is drained.
-    args = (limits, np.where(small_at[:, None, None], 0, per_request)) + seed
-    carries = _compiled(first_batch, args, dict(capacity=cap_config.capacity(), shards=shards), stats)(*args)
+    def first_carries(capacity, rows):
+        """Every block's starting carry, one call of one compiled `first_batch` each."""
+        out = []
+        for b in range(blocks):
+            part = lambda x: x[b * size:(b + 1) * size]             # noqa: E731
+            args = (jax.tree.map(part, limits), part(rows)) + seed
+            out.append(_compiled(first_batch, args, dict(capacity=capacity), stats)(*args))
+        return out
+
+    carries = first_carries(cap_config.capacity(), np.where(small_at[:, None, None], 0, per_request))
     smalls = small_cap = None
     if half:
         small_cap = dataclasses.replace(cap_config, num_slots=half).capacity()
-        args = (limits, np.where(small_at[:, None, None], per_request, 0)) + seed
-        smalls = _compiled(first_batch, args, dict(capacity=small_cap, shards=shards), stats)(*args)
+        smalls = first_carries(small_cap, np.where(small_at[:, None, None], per_request, 0))
     done, last = np.zeros(runs, np.int64), np.zeros(runs, np.int64)
     # The step each position's next chunk starts at, less the chunks made since the start.
     offset = np.zeros(len(ids), np.int64)
@@ -594,7 +616,7 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
     K = CHUNK_STEPS
 
     def split(batch):
-        return [jax.tree.map(lambda x: x[i * size:(i + 1) * size], batch) for i in range(shards)]
+        return [jax.tree.map(lambda x: x[i * size:(i + 1) * size], batch) for i in range(blocks)]
 
     def join(carries):
         return carries[0] if len(carries) == 1 else jax.tree.map(lambda *xs: jnp.concatenate(xs), *carries)
@@ -655,10 +677,9 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
             if remote is not None:
                 firsts, whens = split(first), split(times)
                 if carries is not None:     # from here on the workers hold the carries
-                    remote.start(exe, serialized(exe), (cols, arrival_time, tokens), carries,
-                                 firsts, whens)
+                    remote.start(exe, serialized(exe), (cols, arrival_time, tokens), carries)
                     held, carries = carries[0], None       # None: the workers hold them
-                rec = np.concatenate(remote.advance(firsts, whens))
+                rec = np.concatenate(remote.advance(firsts, whens, split(live)))
             else:
                 # NOTE: each shard's thread waits for its own chunk. Left to JAX's async
                 # dispatch (the main thread waiting on the records), the same sweeps ran
@@ -666,14 +687,19 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
                 # configurations 1.98-3.14 s against 1.64-1.69, 16 configurations
                 # 1.06-1.5 s against 0.87-1.05.
                 def advance(i):
-                    mine = slice(i * size, (i + 1) * size)
-                    rec = np.zeros((size, K, NUM_COLS), np.int32)
-                    for batches, run, at in ((carries, exe, ~small_at[mine]), (smalls, exe_small, small_at[mine])):
-                        if run is not None and (live[mine] & at).any():
-                            batches[i], got = jax.block_until_ready(run(
-                                batches[i], cols, arrival_time, tokens, first[mine], times[mine]))
-                            rec = np.where(at[:, None, None], np.asarray(got), rec)
-                    return rec
+                    """Shard i's blocks, one after another; their records."""
+                    recs = []
+                    for b in range(i * per_shard, (i + 1) * per_shard):
+                        mine = slice(b * size, (b + 1) * size)
+                        rec = np.zeros((size, K, NUM_COLS), np.int32)
+                        for batches, run, at in ((carries, exe, ~small_at[mine]),
+                                                 (smalls, exe_small, small_at[mine])):
+                            if run is not None and (live[mine] & at).any():
+                                batches[b], got = jax.block_until_ready(run(
+                                    batches[b], cols, arrival_time, tokens, first[mine], times[mine]))
+                                rec = np.where(at[:, None, None], np.asarray(got), rec)
+                        recs.append(rec)
+                    return np.concatenate(recs)
                 rec = np.concatenate([advance(0)] if shards == 1 else list(pool.map(advance, range(shards))))
             stepped += rec.shape[0] * K
             if rec[real][:, :, C_OVERFLOW].any():
@@ -697,9 +723,9 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
                 watch(ids[live], at[live], rec[live], read)
             made += 1
             live = np.nonzero(real & (done[np.maximum(ids, 0)] < len(reqs)))[0]
-            new_size, new_group = _shard_size(len(live), positions, shards, vmap_runs)
             # Compaction (vmap only: the map path does not visit a drained run), once the
             # live runs fit a quarter of the batch: fewer shapes, fewer compiles.
+            new_size, new_group = _shard_size(len(live), positions, shards, vmap_runs) if group > 1 else (size, 1)
             if live.size and group > 1 and new_size * 4 <= size:
                 batch = join(carries)
                 kept = np.asarray(batch[1])
@@ -713,7 +739,7 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
                 size, group = new_size, new_group
                 sizes.append(size)
                 carries = split(batch)
-    stats.update(shard_sizes=sizes, threads=shards, vmap_group=group, stepped_run_steps=stepped,
+    stats.update(shard_sizes=sizes, threads=shards, blocks=blocks, vmap_group=group, stepped_run_steps=stepped,
                  workers=shards if carries is None else 0, half_slots=half,
                  half_slot_run_steps=stats.get("half_slot_run_steps", 0) + half_steps,
                  live_run_steps=stats.get("live_run_steps", 0) + live_steps,
@@ -928,8 +954,10 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
     the chunk's executable saved to or loaded from `executable_store`), loaded (chunks
     loaded from it), run_s (the rest), compiles (the chunk's, one per batch shape, and the first batch's,
     one per capacity and batch shape), run_steps (the steps of all runs to drain), path ("vmap" or
-    "map"), threads, workers (worker processes used, 0 for threads), vmap_group, shard_sizes
-    (runs per shard, shrinking as runs drain),
+    "map"), threads (shards), blocks (calls of the chunk per chunk of steps, at most: the
+    shards' blocks), workers (worker processes used, 0 for threads), vmap_group,
+    shard_sizes (runs per block: MAP_BLOCK on the map path; vmapped, runs per shard,
+    shrinking as runs drain),
     stepped_run_steps (run-steps computed, padding included), num_slots, prune (did it run
     in waves), waves (1 to 3), pruned (configurations answered for without a run of their
     own), resumed (runs started from another run's state) and skipped_steps (the steps

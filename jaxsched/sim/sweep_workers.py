@@ -11,9 +11,9 @@ which costs processes more than threads: so they are used only when asked for
 The parent compiles the chunk first (or loads it: sim/executable_store.py) and ships it,
 serialized (`jax.experimental.serialize_executable`); a worker loads it in about 0.9 s,
 where compiling it again, even through JAX's persistent cache, traces and lowers it first
-(about 2 s more). A worker keeps its shard's carry, steps it chunk by chunk on request and
-hands rows of it back, so the parent's bookkeeping (records, waves, resumed runs) is the
-threaded path's. Workers start once per process, on first use, and stay until it exits.
+(about 2 s more). A worker keeps its shard's carries (one per block of runs), steps them
+chunk by chunk on request and hands rows of them back, so the parent's bookkeeping (records,
+waves, resumed runs) is the threaded path's. Workers start once per process, on first use, and stay until it exits.
 
 Protocol: pickled (command, args) frames on the worker's stdin; pickled ("ok", value) or
 ("error", traceback) frames on a pipe that was its stdout. Only the parent talks to it.
@@ -154,40 +154,48 @@ def _whole(method):
 
 
 class Shards:
-    """The shards of a sweep batch, each held and stepped by a worker."""
+    """The shards of a sweep batch, each held and stepped by a worker: worker i holds the
+    i-th run of `len(carries) // count` blocks (the parent's threads' shards)."""
 
     def __init__(self, count: int):
         self.workers = pool(count)
+        self.per = 1                     # blocks per worker, set by `start`
+
+    def _mine(self, items: list) -> list:
+        """Per block -> per worker: each worker's run of blocks."""
+        return [items[i * self.per:(i + 1) * self.per] for i in range(len(self.workers))]
 
     @_whole
-    def start(self, exe, blob: bytes, consts, carries, firsts, times) -> None:
-        """Give each worker the chunk and its carry. `exe` is the parent's compiled chunk,
-        `blob` its bytes (`sweep.serialized`), shipped to a worker that lacks it."""
+    def start(self, exe, blob: bytes, consts, carries) -> None:
+        """Give each worker the chunk and its blocks' carries. `exe` is the parent's compiled
+        chunk, `blob` its bytes (`sweep.serialized`), shipped to a worker that lacks it."""
         import jax
         import numpy as np
 
-        for worker, carry, first, when in zip(self.workers, carries, firsts, times):
+        self.per = len(carries) // len(self.workers)
+        for worker, mine in zip(self.workers, self._mine(carries)):
             if id(exe) in worker.loaded:
                 how = ("loaded", id(exe))
             else:
                 how = ("ship", id(exe), blob)
                 worker.loaded.add(id(exe))
-            worker.send("start", how, [np.asarray(x) for x in consts], jax.tree.map(np.asarray, carry),
-                        first, when)
+            worker.send("start", how, [np.asarray(x) for x in consts], jax.tree.map(np.asarray, mine))
         for worker in self.workers:
             worker.receive("start")
 
     @_whole
-    def advance(self, firsts, times) -> list:
-        """One chunk on every shard at once; each shard's records."""
-        for worker, first, when in zip(self.workers, firsts, times):
-            worker.send("advance", first, when)
+    def advance(self, firsts, times, live) -> list:
+        """One chunk on every block with a live run (bool per run, per block), every worker
+        at once; each worker's records, its blocks' in order."""
+        for worker, *args in zip(self.workers, self._mine(firsts), self._mine(times),
+                                 self._mine([bool(x.any()) for x in live])):
+            worker.send("advance", *args)
         return [worker.receive("advance") for worker in self.workers]
 
     @_whole
-    def rows(self, shard: int, index):
-        """Rows `index` of a shard's carry (state, per_request), host arrays."""
-        return self.workers[shard].call("rows", index)
+    def rows(self, block: int, index):
+        """Rows `index` of a block's carry (state, per_request), host arrays."""
+        return self.workers[block // self.per].call("rows", block % self.per, index)
 
     @_whole
     def per_request(self) -> list:
@@ -216,20 +224,25 @@ def _serve() -> None:
         except EOFError:
             return
         try:
-            if command == "start":
-                how, host_consts, host_carry, first, when = args
+            if command == "start":      # carry: its blocks' carries
+                how, host_consts, host_carry = args
                 consts, carry = [jax.device_put(x) for x in host_consts], jax.device_put(host_carry)
                 if how[0] == "ship":
                     executables[how[1]] = deserialize_and_load(*pickle.loads(how[2]))
                 exe = executables[how[1]]
                 value = None
-            elif command == "advance":
-                carry, rec = exe(carry, *consts, *args)
-                value = np.asarray(rec)
+            elif command == "advance":  # a block with no live run is not called: zero records
+                recs = []
+                for b, (first, when, live) in enumerate(zip(*args)):
+                    if live:
+                        carry[b], rec = exe(carry[b], *consts, first, when)
+                    recs.append(np.asarray(rec) if live else np.zeros(
+                        (len(first), when.shape[1], sw.NUM_COLS), np.int32))
+                value = np.concatenate(recs)
             elif command == "rows":     # a worker's carry is on the CPU: read on the host
-                value = sw._rows(carry, args[0], {})
+                value = sw._rows(carry[args[0]], args[1], {})
             elif command == "per_request":
-                value = np.asarray(carry[1])
+                value = np.concatenate([np.asarray(c[1]) for c in carry])
             elif command == "ping":         # answered once JAX and jaxsched are imported
                 value = None
             else:
