@@ -20,10 +20,11 @@ reports for its configuration.
 Two ways to step a batch of runs inside the compiled call (`vmap_runs`):
 
   the map path (vmap_runs=1): one live run after another; each run's `lax.cond` skips are
-      its own, and a drained run (or padding) is not visited. The runs are also split into
-      one shard per core, each stepped on its own host thread (`threads`), or, on request,
-      in its own worker process pinned to a CPU (`workers`, sim/sweep_workers.py), in
-      blocks of MAP_BLOCK runs: one call of the compiled chunk per block with a live run.
+      its own, and a drained run (or padding) is not visited. The runs go in blocks of
+      MAP_BLOCK, one call of the compiled chunk per block with a live run, stepped on one
+      host thread per core (`threads`: each takes the next block, the fullest first), or, on
+      request, one shard of blocks per worker process pinned to a CPU (`workers`,
+      sim/sweep_workers.py).
   jax.vmap (vmap_runs > 1): groups of runs stepped together, with their run axis named and
       the step traced under `core.batching.runs_axis`: every skip of the scheduler is
       decided once for the group (the predicate an `any` over runs, so a `lax.cond` stays a
@@ -476,11 +477,11 @@ def _layout(positions: int, threads: int, vmap_runs: int) -> tuple[int, int, int
     """(shards, runs per block, runs per vmap group, blocks per shard) for a batch of
     `positions` runs on `threads` host threads (or worker processes).
 
-    Each shard is stepped by its own thread, one block after another, each block by one
-    call of the compiled chunk. On the map path a block is MAP_BLOCK runs whatever the
-    grid, padded with drained runs that are never visited (nor is a block with no live
-    run called), so one executable per capacity serves grids of every size; a vmapped
-    batch is one block per shard (`_shard_size`)."""
+    Each block is stepped by one call of the compiled chunk (by whichever host thread is
+    free, or by the worker process holding its shard). On the map path a block is
+    MAP_BLOCK runs whatever the grid, padded with drained runs that are never visited (nor
+    is a block with no live run called), so one executable per capacity serves grids of
+    every size; a vmapped batch is one block per shard (`_shard_size`)."""
     shards = max(1, min(threads, positions))
     if vmap_runs == 1:
         return shards, MAP_BLOCK, 1, -(-positions // (shards * MAP_BLOCK))
@@ -543,9 +544,11 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
     the map path with two shards or more, each shard is held and stepped by a worker
     process pinned to its own CPU (`sweep_workers`) instead of a host thread.
 
-    The runs are stacked in a batch, split into `threads` equal shards, each stepped on its
-    own host thread (XLA releases the GIL while it runs), a block of runs per call of the
-    same compiled chunk (`_layout`: on the map path MAP_BLOCK runs). Between
+    The runs are stacked in a batch, split into `threads` equal shards (dealt to even their
+    work), each of blocks of runs, a block per call of the same compiled chunk (`_layout`:
+    on the map path MAP_BLOCK runs). On host threads (XLA releases the GIL while it runs)
+    each thread steps the next block with live runs, the fullest first; a worker process
+    steps its own shard's. Between
     chunks, runs that have drained are dropped from the batch (compaction): when the runs
     left fit a quarter of the batch (a power of two per shard) they are gathered into it, so a long
     tail of slow runs does not carry the whole grid (vmapped runs only: the map path does
@@ -686,21 +689,25 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
                 # 1.15-1.5x slower on the 2-core CPU, interleaved in one process: 64
                 # configurations 1.98-3.14 s against 1.64-1.69, 16 configurations
                 # 1.06-1.5 s against 0.87-1.05.
-                def advance(i):
-                    """Shard i's blocks, one after another; their records."""
-                    recs = []
-                    for b in range(i * per_shard, (i + 1) * per_shard):
-                        mine = slice(b * size, (b + 1) * size)
-                        rec = np.zeros((size, K, NUM_COLS), np.int32)
-                        for batches, run, at in ((carries, exe, ~small_at[mine]),
-                                                 (smalls, exe_small, small_at[mine])):
-                            if run is not None and (live[mine] & at).any():
-                                batches[b], got = jax.block_until_ready(run(
-                                    batches[b], cols, arrival_time, tokens, first[mine], times[mine]))
-                                rec = np.where(at[:, None, None], np.asarray(got), rec)
-                        recs.append(rec)
-                    return np.concatenate(recs)
-                rec = np.concatenate([advance(0)] if shards == 1 else list(pool.map(advance, range(shards))))
+                def advance(b):
+                    """Block b's chunk: its records (its live runs'; zeros elsewhere)."""
+                    mine = slice(b * size, (b + 1) * size)
+                    rec = np.zeros((size, K, NUM_COLS), np.int32)
+                    for batches, run, at in ((carries, exe, ~small_at[mine]), (smalls, exe_small, small_at[mine])):
+                        if run is not None and (live[mine] & at).any():
+                            batches[b], got = jax.block_until_ready(run(
+                                batches[b], cols, arrival_time, tokens, first[mine], times[mine]))
+                            rec = np.where(at[:, None, None], np.asarray(got), rec)
+                    return rec
+                # On threads any thread may step any block (the carries are this process's):
+                # the blocks with live runs go to whichever thread is free, the most live runs
+                # first, so the threads finish a chunk within about one small block of each
+                # other, however unevenly the runs' costs turn out.
+                count = live.reshape(blocks, size).sum(1)
+                todo = sorted(np.nonzero(count)[0].tolist(), key=lambda b: -count[b])
+                got = dict(zip(todo, map(advance, todo) if shards == 1 else pool.map(advance, todo)))
+                none = np.zeros((size, K, NUM_COLS), np.int32)
+                rec = np.concatenate([got.get(b, none) for b in range(blocks)])
             stepped += rec.shape[0] * K
             if rec[real][:, :, C_OVERFLOW].any():
                 return None
