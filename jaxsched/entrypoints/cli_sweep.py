@@ -90,8 +90,8 @@ def register(subparsers) -> None:
     s("--vmap-runs", type=int,
       help="runs stepped together by jax.vmap (default: all on an accelerator, 1 on CPU)")
     s("--threads", type=int,
-      help="host threads, each stepping its own shard of runs (default: one per CPU core on "
-           "CPU, 1 on an accelerator)")
+      help="host threads stepping the runs (on the map path each takes the next block of runs; "
+           "vmapped, each its own shard) (default: one per CPU core on CPU, 1 on an accelerator)")
     s("--no-vmap-skips", action="store_true",
       help="a vmapped batch computes every branch for every run and masks it instead of skipping "
            "what no run needs (no conditionals; slower on the CPU and on an H200, see README)")

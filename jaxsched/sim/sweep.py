@@ -440,7 +440,8 @@ def first_batch(limits, per_request, seed, artificial_count, capacity):
 
 def default_threads() -> int:
     """Host threads a sweep uses by default: the usable CPU cores on the CPU backend, where
-    each thread steps its own shard of runs; 1 on an accelerator (one vmap steps them all)."""
+    the threads step the runs (on the map path, block after block); 1 on an accelerator
+    (one vmap steps them all)."""
     if jax.default_backend() != "cpu":
         return 1
     try:
