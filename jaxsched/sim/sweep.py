@@ -917,11 +917,13 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
     (`core.batching`); default by measurement per backend (`default_vmap_skips`). On a GPU,
     XLA_FLAGS=--xla_gpu_enable_command_buffer=+CONDITIONAL,+WHILE before JAX starts (what
     `jaxsched sweep` sets) runs a sweep about 13% faster (`xla_flags.SWEEP_GPU_FLAGS`).
-    `threads` splits the runs into that many shards stepped in parallel on host threads
-    (default: one per CPU core on the CPU backend, else 1); results do not depend on it.
-    `workers`: step those shards in worker processes, one pinned to each CPU, instead of
-    host threads (`sweep_workers`: the map path only, Linux); rows do not depend on it.
-    None (default) is False: with each thread waiting for its own shard's chunk, two
+    `threads` steps the runs on that many host threads in parallel, on the map path each
+    taking the next block of MAP_BLOCK runs, vmapped each its own shard (default: one per
+    CPU core on the CPU backend, else 1); results do not depend on it.
+    `workers`: step the runs in worker processes, one pinned to each CPU and holding a
+    shard of blocks, instead of host threads (`sweep_workers`: the map path only, Linux);
+    rows do not depend on it. None (default) is False: with each thread waiting for its
+    own chunk, two
     threads step a grid about as fast as two pinned processes (1.18x slower per run-step
     with every configuration run, benchmarks/results/sweep_partitions.md), and pruned
     sweeps, whose waves read and ship run states, are faster on threads at every size
