@@ -685,7 +685,7 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
                     held, carries = carries[0], None       # None: the workers hold them
                 rec = np.concatenate(remote.advance(firsts, whens, split(live)))
             else:
-                # NOTE: each shard's thread waits for its own chunk. Left to JAX's async
+                # NOTE: each thread waits for the chunk it called. Left to JAX's async
                 # dispatch (the main thread waiting on the records), the same sweeps ran
                 # 1.15-1.5x slower on the 2-core CPU, interleaved in one process: 64
                 # configurations 1.98-3.14 s against 1.64-1.69, 16 configurations
@@ -706,9 +706,9 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
                 # other, however unevenly the runs' costs turn out.
                 count = live.reshape(blocks, size).sum(1)
                 todo = sorted(np.nonzero(count)[0].tolist(), key=lambda b: -count[b])
-                got = dict(zip(todo, map(advance, todo) if shards == 1 else pool.map(advance, todo)))
+                made_by = dict(zip(todo, map(advance, todo) if shards == 1 else pool.map(advance, todo)))
                 none = np.zeros((size, K, NUM_COLS), np.int32)
-                rec = np.concatenate([got.get(b, none) for b in range(blocks)])
+                rec = np.concatenate([made_by.get(b, none) for b in range(blocks)])
             stepped += rec.shape[0] * K
             if rec[real][:, :, C_OVERFLOW].any():
                 return None

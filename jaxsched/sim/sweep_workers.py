@@ -13,7 +13,8 @@ serialized (`jax.experimental.serialize_executable`); a worker loads it in about
 where compiling it again, even through JAX's persistent cache, traces and lowers it first
 (about 2 s more). A worker keeps its shard's carries (one per block of runs), steps them
 chunk by chunk on request and hands rows of them back, so the parent's bookkeeping (records,
-waves, resumed runs) is the threaded path's. Workers start once per process, on first use, and stay until it exits.
+waves, resumed runs) is the threaded path's. Workers start once per process, on first use,
+and stay until it exits.
 
 Protocol: pickled (command, args) frames on the worker's stdin; pickled ("ok", value) or
 ("error", traceback) frames on a pipe that was its stdout. Only the parent talks to it.
