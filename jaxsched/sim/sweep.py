@@ -678,12 +678,12 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
             if (live & small_at).any():
                 exe_small = _executable((smalls[0], cols, arrival_time, tokens, first[:size], times[:size]),
                                         small_cap, width, group, stats, skips=skips)
+            count = live.reshape(blocks, size).sum(1)      # live runs per block
             if remote is not None:
-                firsts, whens = split(first), split(times)
                 if carries is not None:     # from here on the workers hold the carries
                     remote.start(exe, serialized(exe), (cols, arrival_time, tokens), carries)
                     held, carries = carries[0], None       # None: the workers hold them
-                rec = np.concatenate(remote.advance(firsts, whens, split(live)))
+                made_by = remote.advance(split(first), split(times), count > 0)
             else:
                 # NOTE: each thread waits for the chunk it called. Left to JAX's async
                 # dispatch (the main thread waiting on the records), the same sweeps ran
@@ -704,11 +704,11 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
                 # the blocks with live runs go to whichever thread is free, the most live runs
                 # first, so the threads finish a chunk within about one small block of each
                 # other, however unevenly the runs' costs turn out.
-                count = live.reshape(blocks, size).sum(1)
                 todo = sorted(np.nonzero(count)[0].tolist(), key=lambda b: -count[b])
                 made_by = dict(zip(todo, map(advance, todo) if shards == 1 else pool.map(advance, todo)))
-                none = np.zeros((size, K, NUM_COLS), np.int32)
-                rec = np.concatenate([made_by.get(b, none) for b in range(blocks)])
+            # A block with no live run was not called: its records are zeros.
+            none = np.zeros((size, K, NUM_COLS), np.int32)
+            rec = np.concatenate([made_by.get(b, none) for b in range(blocks)])
             stepped += rec.shape[0] * K
             if rec[real][:, :, C_OVERFLOW].any():
                 return None
@@ -733,7 +733,7 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
             live = np.nonzero(real & (done[np.maximum(ids, 0)] < len(reqs)))[0]
             # Compaction (vmap only: the map path does not visit a drained run), once the
             # live runs fit a quarter of the batch: fewer shapes, fewer compiles.
-            new_size, new_group = _shard_size(len(live), positions, shards, vmap_runs) if group > 1 else (size, 1)
+            new_size, new_group = _shard_size(len(live), positions, shards, vmap_runs)
             if live.size and group > 1 and new_size * 4 <= size:
                 batch = join(carries)
                 kept = np.asarray(batch[1])

@@ -185,13 +185,14 @@ class Shards:
             worker.receive("start")
 
     @_whole
-    def advance(self, firsts, times, live) -> list:
-        """One chunk on every block with a live run (bool per run, per block), every worker
-        at once; each worker's records, its blocks' in order."""
-        for worker, *args in zip(self.workers, self._mine(firsts), self._mine(times),
-                                 self._mine([bool(x.any()) for x in live])):
+    def advance(self, firsts, times, busy) -> dict:
+        """One chunk on every block that is `busy` (has a live run; per block, as are the
+        first steps and times), every worker at once: {block: its records}."""
+        busy = [bool(x) for x in busy]
+        for worker, *args in zip(self.workers, self._mine(firsts), self._mine(times), self._mine(busy)):
             worker.send("advance", *args)
-        return [worker.receive("advance") for worker in self.workers]
+        recs = [rec for worker in self.workers for rec in worker.receive("advance")]
+        return dict(zip((b for b, x in enumerate(busy) if x), recs))
 
     @_whole
     def rows(self, block: int, index):
@@ -232,14 +233,12 @@ def _serve() -> None:
                     executables[how[1]] = deserialize_and_load(*pickle.loads(how[2]))
                 exe = executables[how[1]]
                 value = None
-            elif command == "advance":  # a block with no live run is not called: zero records
-                recs = []
-                for b, (first, when, live) in enumerate(zip(*args)):
-                    if live:
+            elif command == "advance":  # the records of its busy blocks, in order
+                value = []
+                for b, (first, when, busy) in enumerate(zip(*args)):
+                    if busy:
                         carry[b], rec = exe(carry[b], *consts, first, when)
-                    recs.append(np.asarray(rec) if live else np.zeros(
-                        (len(first), when.shape[1], sw.NUM_COLS), np.int32))
-                value = np.concatenate(recs)
+                        value.append(np.asarray(rec))
             elif command == "rows":     # a worker's carry is on the CPU: read on the host
                 value = sw._rows(carry[args[0]], args[1], {})
             elif command == "per_request":
