@@ -6,8 +6,9 @@ The 500-request trace and grid of `benchmarks/sweep.py` (--size configurations),
 map path (a loop over runs), one shard. The sweep's first call of its chunk is captured
 (a block of `sweep.MAP_BLOCK` runs; before the map path stepped blocks, the whole batch);
 its chunk is compiled with each option set (`compiler_options`, for that executable
-only), and the executables then step copies of the same block through the first --chunks chunks in
-turn, round after round in one process, so that load from elsewhere hits them alike.
+only), and the executables then step copies of the same block through the first --chunks
+chunks in turn, round after round in one process, so that load from elsewhere hits them
+alike.
 Reported per option set: XLA's compile (lowering apart; the least of --compiles, also
 interleaved), the compiled program's fusions,
 and per round the process CPU time and wall time of the chunks (medians over rounds).

@@ -35,8 +35,8 @@ Compile time (tracing and XLA) is the sweep's own `stats['compile_s']`, apart fr
 time of the runs. A second table starts fresh processes on the 64-configuration map sweep with
 the persistent compilation cache (as `jaxsched sweep` has it) in an empty directory: the first
 start compiles, a second start of the same grid, a start of another grid of the same
-capacity and one of the 16-configuration grid (the same capacity) load the executable from disk. Run-steps are the steps each run takes to drain,
-summed over the grid.
+capacity and one of the 16-configuration grid (the same capacity) load the executable from
+disk. Run-steps are the steps each run takes to drain, summed over the grid.
 Every timed python-loop and simulate run is checked against the sweep's row for its
 configuration (steps and preemptions). Results go to benchmarks/results/sweep.{json,md} and
 the plot of cost per run-step against grid size to sweep_scaling.png; the rows of the
