@@ -58,12 +58,12 @@ def vmapped():
     return rows, stats
 
 
-def expected_row(row: dict, keys=tuple(GRID)) -> dict:
+def expected_row(row: dict, keys=tuple(GRID), trace=TRACE) -> dict:
     """What `simulate` says about the row's configuration (its `keys`), in the sweep's terms."""
-    config = dict(TRACE["config"], **{k: row[k] for k in keys})
-    result = simulate(config, TRACE["requests"], capacity=CAPACITY)
+    config = dict(trace["config"], **{k: row[k] for k in keys})
+    result = simulate(config, trace["requests"], capacity=CAPACITY)
     summary = summarize(result, config)
-    arrival = {r["id"]: r["arrival_step"] for r in TRACE["requests"]}
+    arrival = {r["id"]: r["arrival_step"] for r in trace["requests"]}
     latency = [v["finish_step"] - arrival[k] for k, v in result["requests"].items()
                if v["status"] != "finished_ignored"]
     used = [config["num_host_blocks"] - s["num_free_host_blocks"] for s in result["steps"]]
@@ -564,6 +564,26 @@ def test_sweep__prefix_caching_is_an_axis_and_every_run_equals_simulate():
         or [r["steps"] for r in rows[2:]] != [r["steps"] for r in rows[:2]]
 
 
+def test_sweep__a_trace_of_a_nearby_size_shares_the_compiled_chunk():
+    """The request axis is padded to capacity.bucket (24 for 21 to 24 requests): after
+    TRACE's sweep on the map path, a sweep of another trace of 21 requests compiles nothing,
+    and its rows, pruned, are `simulate`'s of each configuration (padding requests never
+    arrive and hold up no run)."""
+    other = generate_trace(21, rate=0.6, prompt=LogNormal(4.2, 0.5), output=LogNormal(2.8, 0.7),
+                           seed=5, config=TRACE["config"])
+    sweep(TRACE, **GRID, capacity=CAPACITY, vmap_runs=1, threads=2, progress=False)
+    stats = {}
+    rows = sweep(other, **GRID, capacity=CAPACITY, vmap_runs=1, threads=2, progress=False, stats=stats,
+                 prune=True)
+    assert stats["compiles"] == 0 and stats["waves"] > 1 and stats["resumed"] > 0, stats
+    for row in rows[::3]:
+        want = expected_row(row, trace=other)
+        want.pop("host_blocks_returned")
+        assert {k: row[k] for k in want} == want, row
+    assert [r["steps"] for r in rows] != [r["steps"] for r in sweep(TRACE, **GRID, capacity=CAPACITY, vmap_runs=1,
+                                                                      threads=2, progress=False)]
+
+
 def test_sweep_capacity__grids_of_nearby_pool_sizes_share_one_capacity():
     """Pools round up to powers of two, so these grids reuse one compiled chunk (in memory and
     in the persistent cache) and every run still hands out only its own blocks."""
@@ -581,6 +601,29 @@ def test_sweep_capacity__grids_of_nearby_pool_sizes_share_one_capacity():
     assert caps[0] == caps[1] == caps[2]
     assert (caps[0]["num_device_blocks_capacity"], caps[0]["num_host_blocks_capacity"]) == (32, 16)
     assert capacity("8,33", "16")["num_device_blocks_capacity"] == 64
+
+
+def test_replay_capacity__block_tables_round_up_by_at_most_a_quarter():
+    """max_blocks_per_seq rounds up to capacity.bucket's steps (16, 20, 24, 28, 32, 40, ...):
+    traces whose longest sequences need 21 and 23 blocks share a compiled step, and no
+    table is more than a quarter wider than it must be."""
+    from jaxsched.sim.capacity import bucket
+    from jaxsched.sim.sweep import make_grid, parse_values, sweep_capacity
+    from jaxsched.sim.trace import parse_trace
+
+    assert [bucket(x) for x in (1, 8, 9, 17, 20, 21, 33, 500)] == [1, 8, 10, 20, 20, 24, 40, 512]
+    assert all(x <= bucket(x) <= 1.25 * x for x in range(1, 5000))
+
+    def capacity(longest):
+        trace = parse_trace(dict(config=dict(block_size=16, num_device_blocks=64, max_model_len=512),
+                                 requests=[dict(id="a", prompt_len=longest - 40, max_tokens=40),
+                                           dict(id="b", prompt_len=20, max_tokens=20, arrival_step=3)]))
+        _, configs = make_grid(trace.scheduler_config, {"max_num_seqs": parse_values("max_num_seqs", "4,8")})
+        return sweep_capacity(trace, configs)
+
+    assert capacity(330) == capacity(360)           # 331 and 361 tokens: 21 and 23 blocks
+    assert capacity(330)["max_blocks_per_seq"] == 24
+    assert capacity(400)["max_blocks_per_seq"] == 28          # 401 tokens: 26 blocks
 
 
 def test_roots_and_resumes__a_run_answers_for_a_start_while_its_slack_lasts():

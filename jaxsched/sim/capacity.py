@@ -3,8 +3,8 @@
 A replay's capacity (SchedulerConfig's num_slots, max_seqs_per_group, max_blocks_per_seq,
 num_device_blocks_capacity, num_host_blocks_capacity) fixes the compiled shapes. Decisions
 do not depend on it as long as it holds the replay, so it is sized from the trace: as small
-as holds every run, rounded up to powers of two where traces of nearby sizes should share a
-compiled step.
+as holds every run, rounded up (to powers of two, or to `bucket`'s steps where a wider shape
+costs every step) so that traces of nearby sizes share a compiled step.
 """
 from __future__ import annotations
 
@@ -18,6 +18,17 @@ from jaxsched.sim.trace import Trace
 def pow2(x: int) -> int:
     """The smallest power of two >= x (1 for x <= 1)."""
     return 1 << max(0, math.ceil(math.log2(max(1, x))))
+
+
+def bucket(x: int) -> int:
+    """The smallest m * 2**k >= x with m in 4..7 (x itself up to 8): 16, 20, 24, 28, 32, 40,
+    ... A block table's width costs every step (benchmarks/sweep_slots.py: twice the blocks
+    a sequence, 1.16x a step at 128 slots), so such shapes round up by at most a quarter,
+    not to a power of two."""
+    if x <= 8:
+        return max(1, x)
+    k = x.bit_length() - 3                  # x in [4 * 2**k, 8 * 2**k)
+    return -(-x // (1 << k)) << k
 
 
 def longest_sequence(trace: Trace, configs: Sequence[SchedulerConfig]) -> int:
@@ -53,6 +64,7 @@ def replay_capacity(trace: Trace, configs: Sequence[SchedulerConfig], *, restart
     """
     cap = needed_capacity(trace, configs)
     cap["max_seqs_per_group"] = pow2(cap["max_seqs_per_group"])
+    cap["max_blocks_per_seq"] = bucket(cap["max_blocks_per_seq"])
     cap["num_slots"] = pow2(len(trace.requests))
     if restarts:
         cap["num_slots"] = min(cap["num_slots"], max(64, 2 * pow2(max(c.max_num_seqs for c in configs))))

@@ -44,7 +44,8 @@ costs about the same for 16 runs as for 1024 (3.3 us per run-step at 1024 on an 
 its runs needs (`vmap_skips`, measured against masking every branch). Compile time is
 reported apart (`stats`); one compiled chunk serves every batch of the same capacity and
 shape within a process (on the map path every grid of a capacity, whatever its size: the
-blocks are all MAP_BLOCK runs), and `jaxsched sweep` turns on the persistent compilation cache
+blocks are all MAP_BLOCK runs; and every trace of a nearby size: its request count and
+longest sequence round up to `capacity.bucket`'s steps), and `jaxsched sweep` turns on the persistent compilation cache
 across processes, where the chunk's executable is kept by `executable_store`: a later start
 loads it without tracing or lowering it (about 1 s, against 2.8 s through JAX's cache).
 
@@ -88,7 +89,7 @@ from jaxsched.core.requests import RequestBatch
 from jaxsched.core.walks import BIG
 from jaxsched.core.xla_options import replay_options
 from jaxsched.sim import executable_store, sweep_prune, sweep_slots, sweep_workers
-from jaxsched.sim.capacity import longest_sequence, needed_capacity, pow2, replay_capacity
+from jaxsched.sim.capacity import bucket, longest_sequence, needed_capacity, pow2, replay_capacity
 from jaxsched.sim.simulate import CHUNK_STEPS, replay_step
 from jaxsched.core.state import (EMPTY, FINISHED, IGNORED, LIMIT_FIELDS, empty_state, layout,
                                  stacked_limits)
@@ -569,8 +570,12 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
     remote = sweep_workers.Shards(shards) if workers and group == 1 and shards > 1 else None
     ids = _deal(runs, size * blocks, shards, work)  # the run at each position (-1: padding)
     limits = stacked_limits([configs[r if r >= 0 else runs - 1] for r in ids])
+    # The request axis is padded (capacity.bucket), so that traces of nearby sizes share the
+    # compiled chunk. A padding request never arrives and has a finish step from the start.
+    padded = bucket(len(reqs))
     # A padding run starts drained (every request has a finish step): never stepped.
-    per_request = np.full((len(ids), 4, len(reqs)), -1, np.int32)
+    per_request = np.full((len(ids), 4, padded), -1, np.int32)
+    per_request[:, :, len(reqs):] = 0
     per_request[ids < 0] = 0
     seed = (np.int32(cap_config.seed), np.int32(cap_config.artificial_preemption_count))
     # Half the slots for the runs they surely hold (sweep_slots: `half_slots`), on the map
@@ -606,12 +611,17 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
     order = np.argsort(steps, kind="stable")
     cols = np.array([[r[k] for r in reqs] for k in ("arrival_step", "prompt_len", "n", "max_tokens")])
     cols = np.stack([cols[0], np.arange(len(reqs)), *cols[1:]])[:, order].astype(np.int32)
-    arrival_time = np.array([s * trace.step_time for s in steps[order]]).astype(np.float32)
+    cols = np.pad(cols, ((0, 0), (0, padded - len(reqs))))
+    cols[0, len(reqs):] = np.iinfo(np.int32).max          # a step no replay reaches
+    arrival_time = np.array([s * trace.step_time for s in steps[order]] + [0.0] * (padded - len(reqs)),
+                            np.float32)
     cols, arrival_time = jax.device_put(cols), jax.device_put(arrival_time)
     # SPEC A10: the prompts, in arrival order, only where the runs cache prefixes.
     tok_width = cap["max_blocks_per_seq"] * configs[0].block_size if configs[0].enable_prefix_caching else 0
-    tokens = jax.device_put(np.stack([trace.prompt_token_ids(int(i), tok_width) for i in order])
-                            if tok_width else np.zeros((len(reqs), 0), np.int32))
+    tokens = np.zeros((padded, tok_width), np.int32)
+    for row, i in enumerate(order if tok_width else ()):
+        tokens[row] = trace.prompt_token_ids(int(i), tok_width)
+    tokens = jax.device_put(tokens)
     width = pow2(max(8, np.bincount(steps).max()))
     chunks: list[np.ndarray] = []                  # global chunk index -> records of every run
     final = np.zeros((runs, 4, len(reqs)), np.int32)
@@ -737,7 +747,7 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
             if live.size and group > 1 and new_size * 4 <= size:
                 batch = join(carries)
                 kept = np.asarray(batch[1])
-                final[ids[real]] = kept[real]
+                final[ids[real]] = kept[real][..., :len(reqs)]
                 pad = int(np.nonzero(~np.isin(np.arange(len(ids)), live))[0][0])   # a drained run
                 items = _deal(len(live), new_size * shards, shards)
                 src = np.where(items >= 0, live[np.maximum(items, 0)], pad)
@@ -760,7 +770,7 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
     if half:
         kept = np.where(small_at[:, None, None], np.concatenate([np.asarray(c[1]) for c in smalls]), kept)
     real = ids >= 0
-    final[ids[real]] = kept[real]
+    final[ids[real]] = kept[real][..., :len(reqs)]
     return np.concatenate(chunks, axis=1), final
 
 
