@@ -1,6 +1,7 @@
 """What a sweep's slot count costs: cost per run-step against the static number of slots.
 
-    python benchmarks/sweep_slots.py [--slots 64,96,128,256] [--grid-slots 96,128] [--reps 3]
+    python benchmarks/sweep_slots.py [--slots 64,96,128,256] [--blocks 20,24,32,40]
+                                     [--grid-slots 96,128] [--reps 3]
 
 Three tables, the 500-request trace of `benchmarks/sweep.py`, one process, the persistent
 cache off:
@@ -9,8 +10,9 @@ cache off:
                every configuration run, at each of --slots: how a step's cost grows with
                the slots it carries (a fit: fixed part plus a cost per slot)
   table width: the same at 128 slots, with the trace's block tables (max_seqs_per_group 4,
-               max_blocks_per_seq 20), twice as many blocks per sequence, twice as many
-               sequences per group
+               max_blocks_per_seq 20) and wider ones (--blocks: what rounding the table
+               width up to capacity.bucket's steps, or to powers of two, costs), and twice
+               as many sequences per group
   the grid:    the 64-configuration grid of `benchmarks/sweep.py`, pruned, on the default
                threads, at each of --grid-slots (its busiest run has 96 requests alive; the
                sweep's own guess, 2 * pow2(max_num_seqs), is 128)
@@ -60,6 +62,7 @@ def interleaved(trace, axes: dict, capacities: list[dict], reps: int, **kwargs) 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--slots", default="64,96,128,256")
+    ap.add_argument("--blocks", default="20,24,32,40")
     ap.add_argument("--grid-slots", default="96,128")
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
@@ -68,7 +71,7 @@ def main() -> None:
     slots = lambda spec: [dict(num_slots=int(s)) for s in spec.split(",")]   # noqa: E731
     small = interleaved(trace, SMALL, slots(args.slots), args.reps, prune=False, threads=1)
     wide = interleaved(trace, SMALL, [dict(num_slots=128, max_seqs_per_group=4, max_blocks_per_seq=m)
-                                      for m in (20, 40)]
+                                      for m in map(int, args.blocks.split(","))]
                        + [dict(num_slots=128, max_seqs_per_group=8, max_blocks_per_seq=20)],
                        args.reps, prune=False, threads=1)
     x = np.array([r["num_slots"] for r in small], float)
@@ -87,7 +90,8 @@ def main() -> None:
     seconds = time.perf_counter() - t0
     head = f"# Sweep cost against its slot count {machine()}"
     lines = [head, "",
-             f"`python benchmarks/sweep_slots.py --slots {args.slots} --grid-slots {args.grid_slots} "
+             f"`python benchmarks/sweep_slots.py --slots {args.slots} --blocks {args.blocks} "
+             f"--grid-slots {args.grid_slots} "
              f"--reps {args.reps}`: medians of {args.reps} interleaved sweeps per row, compile apart. "
              f"1-minute load average {load0:.1f} before, {os.getloadavg()[0]:.1f} after; "
              f"{seconds:.0f} s in all.", "",
