@@ -35,8 +35,8 @@ Compile time (tracing and XLA) is the sweep's own `stats['compile_s']`, apart fr
 time of the runs. A second table starts fresh processes on the 64-configuration map sweep with
 the persistent compilation cache (as `jaxsched sweep` has it) in an empty directory: the first
 start compiles, a second start of the same grid, a start of another grid of the same
-capacity and one of the 16-configuration grid (the same capacity) load the executable from
-disk. Run-steps are the steps each run takes to drain, summed over the grid.
+capacity, one of the 16-configuration grid and one of another trace (NEARBY: 470 requests,
+padded to the same request axis) load the executable from disk. Run-steps are the steps each run takes to drain, summed over the grid.
 Every timed python-loop and simulate run is checked against the sweep's row for its
 configuration (steps and preemptions). Results go to benchmarks/results/sweep.{json,md} and
 the plot of cost per run-step against grid size to sweep_scaling.png; the rows of the
@@ -77,6 +77,10 @@ TRACE = dict(num_requests=500, rate=0.5, prompt=LogNormal(4.0, 0.6), output=LogN
              config=dict(block_size=16, num_device_blocks=256, num_host_blocks=128, max_num_seqs=32,
                          max_num_batched_tokens=512, max_model_len=512, watermark=0.01))
 SWEPT = ("preemption_mode", "max_num_seqs", "num_device_blocks")
+# Another trace of the same workload whose request count (470) and longest sequence (20
+# blocks) round to TRACE's capacity (capacity.bucket): a fresh start of its sweep loads
+# TRACE's executable (compile_starts).
+NEARBY = dict(TRACE, num_requests=470, seed=6)
 
 
 def grid(size: int) -> dict:
@@ -257,13 +261,17 @@ def compile_starts(trace, size: int = 64) -> list:
     other = dict(axes, num_device_blocks=",".join(str(int(b) + 1) for b in axes["num_device_blocks"].split(",")))
     out = []
     with tempfile.TemporaryDirectory() as tmp:
-        path = pathlib.Path(tmp) / "trace.json"
+        path, nearby = pathlib.Path(tmp) / "trace.json", pathlib.Path(tmp) / "nearby.json"
         path.write_text(json.dumps(trace))
-        for start, ax, n in (("first start, empty cache", axes, size), ("second start, same grid", axes, size),
-                             ("another grid of the same capacity", other, size),
-                             ("a smaller grid of the same capacity", grid(16), 16)):
+        nearby.write_text(json.dumps(generate_trace(**NEARBY)))
+        for start, ax, n, where in (("first start, empty cache", axes, size, path),
+                                    ("second start, same grid", axes, size, path),
+                                    ("another grid of the same capacity", other, size, path),
+                                    ("a smaller grid of the same capacity", grid(16), 16, path),
+                                    (f"another trace ({NEARBY['num_requests']} requests), same grid",
+                                     axes, size, nearby)):
             env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-            got = subprocess.run([sys.executable, "-c", START, str(path), json.dumps(ax), str(pathlib.Path(tmp) / "xla")],
+            got = subprocess.run([sys.executable, "-c", START, str(where), json.dumps(ax), str(pathlib.Path(tmp) / "xla")],
                                  env=env, check=True, capture_output=True, text=True)
             out.append(dict(configs=n, start=start, **json.loads(got.stdout.strip().splitlines()[-1])))
     return out
