@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import itertools
 import json
 import os
@@ -15,6 +16,7 @@ import re
 import subprocess
 import sys
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -601,6 +603,28 @@ def test_sweep_capacity__grids_of_nearby_pool_sizes_share_one_capacity():
     assert caps[0] == caps[1] == caps[2]
     assert (caps[0]["num_device_blocks_capacity"], caps[0]["num_host_blocks_capacity"]) == (32, 16)
     assert capacity("8,33", "16")["num_device_blocks_capacity"] == 64
+
+
+def test_sweep_chunk__the_map_path_traces_once_for_every_grid_size_thread_count_and_nearby_trace(monkeypatch):
+    """One trace of the map path's chunk per capacity (`chex.assert_max_traces`, with no
+    executable kept from the file's other tests): grids of 16, 40 and 1 configurations on
+    3, 2 and 1 threads, pruned or not, and a trace of another size, all call the one
+    compiled chunk (a second trace would raise)."""
+    guarded = jax.jit(chex.assert_max_traces(sw.sweep_chunk.__wrapped__, n=1),
+                      static_argnames=("cap", "width", "vmap_runs", "skips"), donate_argnums=(0,))
+    monkeypatch.setattr(sw, "sweep_chunk", guarded)
+    monkeypatch.setattr(sw, "_EXECUTABLES", {})
+    other = generate_trace(21, rate=0.6, prompt=LogNormal(4.2, 0.5), output=LogNormal(2.8, 0.7),
+                           seed=5, config=TRACE["config"])
+    run = functools.partial(sweep, capacity=CAPACITY, vmap_runs=1, progress=False)
+    compiles = []
+    for trace, grid, threads, prune in ((TRACE, GRID, 3, None), (TRACE, WIDE_GRID, 2, True),
+                                        (TRACE, dict(GRID, num_device_blocks=[20], max_num_seqs=[8]), 1, False),
+                                        (other, GRID, 2, True)):
+        stats = {}
+        run(trace, **grid, threads=threads, prune=prune, stats=stats)
+        compiles.append(stats["compiles"])
+    assert compiles == [2, 0, 0, 0]      # the chunk and `first_batch`, once
 
 
 def test_replay_capacity__block_tables_round_up_by_at_most_a_quarter():
