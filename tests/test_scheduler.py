@@ -257,3 +257,24 @@ def test_simulate__more_requests_alive_than_its_first_slots_restarts_with_twice_
     assert sizes == [32, 64]
     with pytest.raises(sim.SlotsExceeded, match=r"more than num_slots=32 requests alive at step \d+"):
         sim.simulate(trace["config"], trace["requests"], capacity=dict(num_slots=32))
+
+
+def test_simulate__traces_whose_block_tables_round_alike_share_one_compiled_chunk(monkeypatch):
+    """max_blocks_per_seq rounds up to capacity.bucket's steps, so replays of traces whose
+    longest sequences need 21 and 23 blocks trace the chunk once (`chex.assert_max_traces`:
+    a second trace would raise), and each replays to the end, its own way."""
+    from jaxsched.sim import simulate as simulate_module
+
+    guarded = jax.jit(chex.assert_max_traces(simulate_module.run_chunk, n=1), static_argnames=("cap", "check"),
+                      donate_argnums=(0,))
+    monkeypatch.setattr(simulate_module, "chunk_program", lambda: guarded)
+    config = dict(block_size=16, num_device_blocks=40, num_host_blocks=8, max_num_seqs=4,
+                  max_num_batched_tokens=512, max_model_len=512)
+    steps = []
+    for longest, out in ((330, 40), (360, 60)):    # 331 and 361 tokens: 21 and 23 blocks
+        requests = [dict(id="a", prompt_len=longest - out, max_tokens=out),
+                    dict(id="b", prompt_len=100, max_tokens=30, arrival_step=2)]
+        result = jaxsched.simulate(config, requests)
+        assert [r["num_output_tokens"] for r in result["requests"].values()] == [out, 30], result["requests"]
+        steps.append(len(result["steps"]))
+    assert steps == [41, 61]
