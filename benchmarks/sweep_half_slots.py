@@ -1,16 +1,19 @@
 """Half slots (`sweep(..., half_slots=True)`): run time against the extra compile, by grid size.
 
     python benchmarks/sweep_half_slots.py [--sizes 64,256,1024] [--reps 3] [--cache-sizes 256,1024]
+                                          [--workers]
 
 The 500-request trace and grids of `benchmarks/sweep.py`, pruned, the map path on the
-default threads, half slots forced on or off. Per size, in one process: a sweep without
+default threads (or, with --workers, worker processes: `sweep(workers=True)`), half slots
+forced on or off. Per size, in one process: a sweep without
 and one with half slots compile their chunks (compile_s; the half-slot chunk is the extra
 compile), then --reps interleaved rounds of both, timed apart from compiles (the sweep's
 own run_s); medians. `half_share` is the share of the run-steps made at half the slots.
 Then, for --cache-sizes, fresh processes with a persistent compilation cache per path
 (empty at the first start, holding its chunks at the second): what a start pays with and
 without half slots, cold and from the cache (`jaxsched sweep` keeps such a cache).
-Results go to benchmarks/results/sweep_half_slots.{json,md}.
+Results go to benchmarks/results/sweep_half_slots.{json,md} (with --workers,
+sweep_half_slots_workers.{json,md}).
 """
 from __future__ import annotations
 
@@ -46,14 +49,18 @@ from sweep import TRACE, grid
 from jaxsched.sim.sweep import sweep
 from jaxsched.sim.workload import generate_trace
 stats = {{}}
-sweep(generate_trace(**TRACE), **grid({size}), progress=False, stats=stats, half_slots={half})
+sweep(generate_trace(**TRACE), **grid({size}), progress=False, stats=stats, half_slots={half},
+      workers={workers})
 print(json.dumps({{k: stats[k] for k in ("compile_s", "run_s", "wall_s")}}))
 """
 
 
+WORKERS = False         # --workers: the shards on worker processes
+
+
 def one(trace, axes, half: bool) -> dict:
     stats = {}
-    sweep(trace, **axes, progress=False, stats=stats, half_slots=half)
+    sweep(trace, **axes, progress=False, stats=stats, half_slots=half, workers=WORKERS)
     return stats
 
 
@@ -87,7 +94,7 @@ def cached_starts(size: int) -> list[dict]:
     for half in (False, True):
         with tempfile.TemporaryDirectory() as cache:
             for start in ("empty cache", "its chunks cached"):
-                code = START.format(bench=bench, cache=cache, size=size, half=half)
+                code = START.format(bench=bench, cache=cache, size=size, half=half, workers=WORKERS)
                 got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
                 stats = json.loads(got.stdout.strip().splitlines()[-1])
                 out.append(dict(configs=size, half_slots=half, start=start,
@@ -100,7 +107,10 @@ def main() -> None:
     ap.add_argument("--sizes", default="64,256,1024")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--cache-sizes", default="256,1024", help="grid sizes of the fresh-process starts")
+    ap.add_argument("--workers", action="store_true", help="the shards on worker processes, not threads")
     args = ap.parse_args()
+    global WORKERS
+    WORKERS = args.workers
     trace = generate_trace(**TRACE)
     load0, t0 = os.getloadavg()[0], time.perf_counter()
     rows = []
@@ -112,8 +122,9 @@ def main() -> None:
     head = f"# Half slots against the extra compile {machine()}"
     lines = [head, "",
              f"`python benchmarks/sweep_half_slots.py --sizes {args.sizes} --reps {args.reps} "
-             f"--cache-sizes {args.cache_sizes}`: the pruned map sweep of `benchmarks/sweep.py`'s grids on "
-             f"{default_threads()} threads; medians of {args.reps} "
+             f"--cache-sizes {args.cache_sizes}{' --workers' if WORKERS else ''}`: the pruned map sweep of "
+             f"`benchmarks/sweep.py`'s grids on {default_threads()} "
+             f"{'worker processes' if WORKERS else 'threads'}; medians of {args.reps} "
              f"interleaved rounds, compile apart (compile_s: each path's first sweep in the process). "
              f"1-minute load average {load0:.1f} before, {os.getloadavg()[0]:.1f} after; "
              f"{seconds:.0f} s in all.", "",
@@ -126,7 +137,7 @@ def main() -> None:
                   markdown_table(starts, ["configs", "half_slots", "start", "compile_s", "run_s", "wall_s"]), ""]
     text = "\n".join(lines)
     print(text)
-    save_results("sweep_half_slots", dict(grid=rows, cached_starts=starts, seconds=seconds), text)
+    save_results("sweep_half_slots_workers" if WORKERS else "sweep_half_slots", dict(grid=rows, cached_starts=starts, seconds=seconds), text)
 
 
 if __name__ == "__main__":

@@ -293,16 +293,22 @@ def test_sweep__half_slots_move_runs_between_slot_counts_with_the_same_rows(vmap
     at a chunk's start plus those arriving in it fit there: every run starts there, moves
     up before the trace's burst of arrivals and back down once it drains from its highest
     slots. Rows equal the vmapped sweep's (which equal `simulate`'s), pruned (waves whose
-    runs resume from states read at either slot count) or not, and after a slot doubling;
-    bad values get one error."""
-    for prune in (False, True):
+    runs resume from states read at either slot count) or not, on worker processes (which
+    hold both carries of their blocks and move runs between them) as on threads, and after
+    a slot doubling; bad values get one error."""
+    seen = {}
+    for prune, workers in ((False, False), (True, False), (True, True)):
         stats = {}
         rows = sweep(TRACE, **GRID, capacity=CAPACITY, vmap_runs=1, threads=2, progress=False, prune=prune,
-                     half_slots=True, stats=stats)
-        assert rows == vmapped[0], prune
+                     half_slots=True, stats=stats, workers=workers)
+        assert rows == vmapped[0], (prune, workers)
         assert stats["half_slots"] == 16 and stats["half_slot_run_steps"] > 0
         assert stats["moved_up"] > 0 and stats["moved_down"] > 0
-    assert stats["resumed"] > 0
+        assert stats["workers"] == (2 if workers else 0)
+        assert stats["resumed"] > 0 or not prune
+        seen[workers] = {k: stats[k] for k in ("half_slot_run_steps", "moved_up", "moved_down", "live_run_steps")}
+    # Worker processes hold both slot counts' carries and move runs between them as threads do.
+    assert seen[True] == seen[False]
     # From 16 slots the sweep restarts at 32: the counts are the last attempt's alone.
     monkeypatch.setattr(sw, "sweep_capacity", lambda *a, **k: dict(CAPACITY, num_slots=16))
     doubled = {}

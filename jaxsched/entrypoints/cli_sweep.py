@@ -106,7 +106,7 @@ def register(subparsers) -> None:
            "or faster by measurement)")
     s("--half-slots", action="store_true",
       help="step each run at half the request slots while that surely holds it, moving it "
-           "between chunks (CPU map path on threads); rows are the same either way. One more "
+           "between chunks (CPU map path, on threads or --workers); rows are the same either way. One more "
            "compiled chunk for 0.78-0.97x the runs' time: pays, if at all, from the persistent "
            "cache on large grids, not on a cold start (see README)")
     s("--gpu-memory-utilization", metavar="SPEC", help="sweep axis in memory units, e.g. 0.5:0.9:0.1: "

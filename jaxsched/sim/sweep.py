@@ -579,7 +579,8 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
     per_request[ids < 0] = 0
     seed = (np.int32(cap_config.seed), np.int32(cap_config.artificial_preemption_count))
     # Half the slots for the runs they surely hold (sweep_slots: `half_slots`), on the map
-    # path on host threads on the CPU. A run that starts from another's state starts at
+    # path on the CPU (host threads or worker processes, which hold both carries of their
+    # blocks and move runs between them on request). A run that starts from another's state starts at
     # the full count; every run moves down and up between chunks.
     half = cap["num_slots"] // 2 if half_slots else 0
     small_at = (ids >= 0) & bool(half) & ~np.isin(ids, list(starts))   # positions at half the slots
@@ -644,7 +645,7 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
             mine = np.nonzero((pos // size == shard) & (small_at[pos] == small))[0]
             if not mine.size:
                 continue
-            state, per = (remote.rows(shard, pos[mine] % size) if carries is None
+            state, per = (remote.rows(shard, pos[mine] % size, small) if carries is None
                           else _rows((smalls if small else carries)[shard], pos[mine] % size, stats))
             data = state.data
             if small:       # at the full slot count, as every Start is
@@ -652,6 +653,18 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
             for k, i in enumerate(mine):
                 out[i] = (tuple(leaf[k] for leaf in data), per[k])
         return out
+
+    def move(which, to_small: bool, slots: int):
+        """Move the runs at positions `which` to the carries at half the slots or back."""
+        nonlocal carries, smalls
+        if carries is None:         # on the workers
+            for b in range(blocks):
+                if (local := np.nonzero(which[b * size:(b + 1) * size])[0]).size:
+                    remote.move(b, local, to_small, slots)
+        elif to_small:
+            carries, smalls = _moved(carries, smalls, which, size, slots, stats)
+        else:
+            smalls, carries = _moved(smalls, carries, which, size, slots, stats)
 
     with tqdm(total=runs * len(reqs), disable=not progress, desc=label, unit="req") as bar, \
             concurrent.futures.ThreadPoolExecutor(shards) as pool:
@@ -670,13 +683,14 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
                 most = np.searchsorted(arrivals, first_steps + K) - done[np.maximum(ids, 0)]
                 up = small_at & live & (most > half)
                 if up.any():
-                    smalls, carries = _moved(smalls, carries, up, size, cap["num_slots"], stats)
+                    move(up, False, cap["num_slots"])
                     small_at &= ~up
                     moves[0] += int(up.sum())
                 # A run drains from the highest slots last: it moves down once they are empty.
                 down = ~small_at & live & (most <= half)
-                if down.any() and (down := down & _fit(carries, half)).any():
-                    carries, smalls = _moved(carries, smalls, down, size, half, stats)
+                if down.any() and (down := down & (remote.fit(half) if carries is None
+                                                   else _fit(carries, half))).any():
+                    move(down, True, half)
                     small_at |= down
                     moves[1] += int(down.sum())
                 half_steps += K * int((live & small_at).sum())
@@ -685,15 +699,23 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
             if remote is not None or (live & ~small_at).any():
                 exe = _executable((carries[0] if carries is not None else held, cols, arrival_time, tokens,
                                    first[:size], times[:size]), capacity, width, group, stats, skips=skips)
-            if (live & small_at).any():
-                exe_small = _executable((smalls[0], cols, arrival_time, tokens, first[:size], times[:size]),
-                                        small_cap, width, group, stats, skips=skips)
+            if half and (remote is not None or (live & small_at).any()):
+                exe_small = _executable((smalls[0] if smalls is not None else held_small, cols, arrival_time,
+                                         tokens, first[:size], times[:size]), small_cap, width, group, stats,
+                                        skips=skips)
             count = live.reshape(blocks, size).sum(1)      # live runs per block
             if remote is not None:
                 if carries is not None:     # from here on the workers hold the carries
-                    remote.start(exe, serialized(exe), (cols, arrival_time, tokens), carries)
+                    remote.start(exe, serialized(exe), (cols, arrival_time, tokens), carries,
+                                 (exe_small, serialized(exe_small), smalls) if half else None)
                     held, carries = carries[0], None       # None: the workers hold them
-                made_by = remote.advance(split(first), split(times), count > 0)
+                    if half:
+                        held_small, smalls = smalls[0], None
+                per_block = lambda mask: (live & mask).reshape(blocks, size).any(1)     # noqa: E731
+                made_by = remote.advance(split(first), split(times), per_block(~small_at),
+                                         per_block(small_at) if half else None,
+                                         [small_at[b * size:(b + 1) * size] for b in range(blocks)] if half
+                                         else None)
             else:
                 # NOTE: each thread waits for the chunk it called. Left to JAX's async
                 # dispatch (the main thread waiting on the records), the same sweeps ran
@@ -768,7 +790,8 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
     kept = np.concatenate(remote.per_request() if carries is None     # on the host: no device op
                           else [np.asarray(c[1]) for c in carries])
     if half:
-        kept = np.where(small_at[:, None, None], np.concatenate([np.asarray(c[1]) for c in smalls]), kept)
+        kept = np.where(small_at[:, None, None], np.concatenate(remote.per_request(True) if smalls is None
+                                                                else [np.asarray(c[1]) for c in smalls]), kept)
     real = ids >= 0
     final[ids[real]] = kept[real][..., :len(reqs)]
     return np.concatenate(chunks, axis=1), final
@@ -791,19 +814,24 @@ def _write_rows(carry, index: np.ndarray, data=None, per=None):
     return state, per_request
 
 
+def move_rows(src, dst, local: np.ndarray, slots: int, stats: dict):
+    """(src, dst), two carries of one block (CPU), with the runs at positions `local` moved
+    from `src` to `dst` (at `slots` request slots: sweep_slots.resize), at the same
+    positions, and drained in `src` (per_request all zeros, so that its chunk does not
+    visit them). A worker process moves its own blocks' runs with it."""
+    state, per = _rows(src, local, stats)
+    data, _ = sweep_slots.resize(tuple(state.data), state.dims, slots)
+    return _write_rows(src, local, per=np.zeros_like(per)), _write_rows(dst, local, data, per)
+
+
 def _moved(src, dst, which: np.ndarray, size: int, slots: int, stats: dict):
-    """(src, dst), shard carries, with the runs at positions `which` moved from `src` to
-    `dst` (at `slots` request slots: sweep_slots.resize), at the same positions, and
-    drained in `src` (per_request all zeros, so that its chunk does not visit them)."""
+    """(src, dst), block carries, with the runs at positions `which` moved from `src` to
+    `dst` (`move_rows`)."""
     src, dst = list(src), list(dst)
-    for shard in range(len(src)):
-        local = np.nonzero(which[shard * size:(shard + 1) * size])[0]
-        if not local.size:
-            continue
-        state, per = _rows(src[shard], local, stats)
-        data, _ = sweep_slots.resize(tuple(state.data), state.dims, slots)
-        dst[shard] = _write_rows(dst[shard], local, data, per)
-        src[shard] = _write_rows(src[shard], local, per=np.zeros_like(per))
+    for block in range(len(src)):
+        local = np.nonzero(which[block * size:(block + 1) * size])[0]
+        if local.size:
+            src[block], dst[block] = move_rows(src[block], dst[block], local, slots, stats)
     return src, dst
 
 
@@ -940,7 +968,8 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
     measured (1024 configurations: 21.7-22.0 s against 23.5-25.0 s with the workers up).
     A failed worker raises `sweep_workers.WorkerError` (a RuntimeError); the next sweep
     starts a new one.
-    `half_slots`: on the map path on threads on the CPU (elsewhere an error), step each
+    `half_slots`: on the map path on the CPU, on threads or worker processes (elsewhere an
+    error), step each
     run at half the request slots while that surely holds it (the requests alive at a
     chunk's start plus those arriving in it fit there), moving it up before it could need
     more and back down once its highest slots are empty (sim/sweep_slots.py); rows do not
@@ -1033,9 +1062,8 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
     workers = bool(workers)
     if not isinstance(half_slots, (bool, np.bool_)):
         raise SweepError(f"sweep: half_slots must be True or False, got {half_slots!r}")
-    if half_slots and (vmap_runs > 1 or workers or jax.default_backend() != "cpu"):
-        raise SweepError("sweep: half_slots=True needs the map path (vmap_runs=1) on host threads "
-                         "(not workers) on the CPU backend")
+    if half_slots and (vmap_runs > 1 or jax.default_backend() != "cpu"):
+        raise SweepError("sweep: half_slots=True needs the map path (vmap_runs=1) on the CPU backend")
     # The first wave, when there is one (by measurement by default: see the docstring).
     first = None
     if sweep_prune.prunable(configs[0]) and (prune or (prune is None and vmap_runs == 1)):

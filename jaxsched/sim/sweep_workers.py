@@ -167,42 +167,69 @@ class Shards:
         return [items[i * self.per:(i + 1) * self.per] for i in range(len(self.workers))]
 
     @_whole
-    def start(self, exe, blob: bytes, consts, carries) -> None:
+    def start(self, exe, blob: bytes, consts, carries, small=None) -> None:
         """Give each worker the chunk and its blocks' carries. `exe` is the parent's compiled
-        chunk, `blob` its bytes (`sweep.serialized`), shipped to a worker that lacks it."""
+        chunk, `blob` its bytes (`sweep.serialized`), shipped to a worker that lacks it.
+        `small`: (exe, blob, carries) of the blocks at half the slots (`sweep(half_slots=True)`),
+        else None."""
         import jax
         import numpy as np
 
-        self.per = len(carries) // len(self.workers)
-        for worker, mine in zip(self.workers, self._mine(carries)):
+        def how(worker, exe, blob):
             if id(exe) in worker.loaded:
-                how = ("loaded", id(exe))
-            else:
-                how = ("ship", id(exe), blob)
-                worker.loaded.add(id(exe))
-            worker.send("start", how, [np.asarray(x) for x in consts], jax.tree.map(np.asarray, mine))
+                return "loaded", id(exe)
+            worker.loaded.add(id(exe))
+            return "ship", id(exe), blob
+
+        self.per = len(carries) // len(self.workers)
+        host = [np.asarray(x) for x in consts]
+        smalls = self._mine(small[2]) if small else [None] * len(self.workers)
+        for worker, mine, little in zip(self.workers, self._mine(carries), smalls):
+            worker.send("start", how(worker, exe, blob), host, jax.tree.map(np.asarray, mine),
+                        small and (how(worker, *small[:2]), jax.tree.map(np.asarray, little)))
         for worker in self.workers:
             worker.receive("start")
 
     @_whole
-    def advance(self, firsts, times, busy) -> dict:
+    def advance(self, firsts, times, busy, busy_small=None, at_small=None) -> dict:
         """One chunk on every block that is `busy` (has a live run; per block, as are the
-        first steps and times), every worker at once: {block: its records}."""
+        first steps and times), every worker at once: {block: its records}. With half slots,
+        `busy_small` says which blocks have a live run at half the slots, `at_small` (bool
+        per position, per block) which positions' records come from there."""
         busy = [bool(x) for x in busy]
-        for worker, *args in zip(self.workers, self._mine(firsts), self._mine(times), self._mine(busy)):
+        busy_small = [False] * len(busy) if busy_small is None else [bool(x) for x in busy_small]
+        at_small = [None] * len(busy) if at_small is None else at_small
+        for worker, *args in zip(self.workers, *map(self._mine, (firsts, times, busy, busy_small, at_small))):
             worker.send("advance", *args)
         recs = [rec for worker in self.workers for rec in worker.receive("advance")]
-        return dict(zip((b for b, x in enumerate(busy) if x), recs))
+        return dict(zip((b for b, (x, y) in enumerate(zip(busy, busy_small)) if x or y), recs))
 
     @_whole
-    def rows(self, block: int, index):
-        """Rows `index` of a block's carry (state, per_request), host arrays."""
-        return self.workers[block // self.per].call("rows", block % self.per, index)
+    def move(self, block: int, local, to_small: bool, slots: int) -> None:
+        """Move a block's runs at positions `local` to its carry at half the slots
+        (`to_small`) or back, at `slots` request slots (`sweep.move_rows`)."""
+        self.workers[block // self.per].call("move", block % self.per, local, to_small, slots)
 
     @_whole
-    def per_request(self) -> list:
+    def fit(self, slots: int):
+        """bool per position of the full-slot carries: the run there holds no request in a
+        slot at or past `slots` (`sweep._fit`)."""
+        import numpy as np
+
         for worker in self.workers:
-            worker.send("per_request")
+            worker.send("fit", slots)
+        return np.concatenate([worker.receive("fit") for worker in self.workers])
+
+    @_whole
+    def rows(self, block: int, index, small: bool = False):
+        """Rows `index` of a block's carry (state, per_request), host arrays (of its carry at
+        half the slots where `small`)."""
+        return self.workers[block // self.per].call("rows", block % self.per, index, small)
+
+    @_whole
+    def per_request(self, small: bool = False) -> list:
+        for worker in self.workers:
+            worker.send("per_request", small)
         return [worker.receive("per_request") for worker in self.workers]
 
 
@@ -220,6 +247,13 @@ def _serve() -> None:
     from jaxsched.sim import sweep as sw
 
     executables, exe, consts, carry = {}, None, None, None
+    exe_small, small = None, None       # with half slots: the chunk and carries at half
+
+    def load(how):
+        if how[0] == "ship":
+            executables[how[1]] = deserialize_and_load(*pickle.loads(how[2]))
+        return executables[how[1]]
+
     while True:
         try:
             command, args = _read(inp)
@@ -227,22 +261,36 @@ def _serve() -> None:
             return
         try:
             if command == "start":      # carry: its blocks' carries
-                how, host_consts, host_carry = args
+                how, host_consts, host_carry, half = args
                 consts, carry = [jax.device_put(x) for x in host_consts], jax.device_put(host_carry)
-                if how[0] == "ship":
-                    executables[how[1]] = deserialize_and_load(*pickle.loads(how[2]))
-                exe = executables[how[1]]
+                exe = load(how)
+                exe_small, small = (load(half[0]), jax.device_put(half[1])) if half else (None, None)
                 value = None
             elif command == "advance":  # the records of its busy blocks, in order
                 value = []
-                for b, (first, when, busy) in enumerate(zip(*args)):
+                for b, (first, when, busy, busy_small, at) in enumerate(zip(*args)):
+                    rec = None
                     if busy:
-                        carry[b], rec = exe(carry[b], *consts, first, when)
-                        value.append(np.asarray(rec))
+                        carry[b], got = exe(carry[b], *consts, first, when)
+                        rec = np.asarray(got)
+                    if busy_small:
+                        small[b], got = exe_small(small[b], *consts, first, when)
+                        rec = np.asarray(got) if rec is None else np.where(at[:, None, None], got, rec)
+                    if rec is not None:
+                        value.append(rec)
+            elif command == "move":     # runs of a block between its two slot counts
+                b, local, to_small, slots = args
+                if to_small:
+                    carry[b], small[b] = sw.move_rows(carry[b], small[b], local, slots, {})
+                else:
+                    small[b], carry[b] = sw.move_rows(small[b], carry[b], local, slots, {})
+                value = None
+            elif command == "fit":
+                value = sw._fit(carry, args[0])
             elif command == "rows":     # a worker's carry is on the CPU: read on the host
-                value = sw._rows(carry[args[0]], args[1], {})
+                value = sw._rows((small if args[2] else carry)[args[0]], args[1], {})
             elif command == "per_request":
-                value = np.concatenate([np.asarray(c[1]) for c in carry])
+                value = np.concatenate([np.asarray(c[1]) for c in (small if args[0] else carry)])
             elif command == "ping":         # answered once JAX and jaxsched are imported
                 value = None
             else:
