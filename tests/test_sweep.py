@@ -317,10 +317,28 @@ def test_sweep__half_slots_move_runs_between_slot_counts_with_the_same_rows(vmap
     assert doubled["num_slots"] == 32
     counts = ("half_slot_run_steps", "live_run_steps", "moved_up", "moved_down", "stepped_run_steps")
     assert {k: doubled[k] for k in counts} == {k: stats[k] for k in counts}
-    with pytest.raises(SweepError, match="half_slots must be True or False"):
-        sweep(TRACE, **GRID, capacity=CAPACITY, half_slots=None, progress=False)
+    with pytest.raises(SweepError, match="half_slots must be True, False or None"):
+        sweep(TRACE, **GRID, capacity=CAPACITY, half_slots="yes", progress=False)
     with pytest.raises(SweepError, match="half_slots=True needs the map path"):
         sweep(TRACE, **GRID, capacity=CAPACITY, half_slots=True, vmap_runs=16, progress=False)
+
+
+def test_sweep__half_slots_by_default_from_large_grids_or_once_their_chunk_is_compiled(vmapped, monkeypatch):
+    """half_slots=None (the default): off for a grid below HALF_SLOTS_FROM configurations
+    while no half-slot chunk of its capacity is compiled; on from HALF_SLOTS_FROM; and then
+    on for the small grid too, its chunk being compiled in this process (the executable
+    store does the same across processes: the test above). The rows never change."""
+    monkeypatch.setattr(sw, "_EXECUTABLES", {})
+    run = functools.partial(sweep, TRACE, **GRID, capacity=CAPACITY, vmap_runs=1, threads=2, progress=False)
+    half = []
+    for at_least in (sw.HALF_SLOTS_FROM, 16, sw.HALF_SLOTS_FROM):
+        monkeypatch.setattr(sw, "HALF_SLOTS_FROM", at_least)
+        stats = {}
+        assert run(stats=stats) == vmapped[0]
+        half.append(stats["half_slots"])
+    assert half == [0, 16, 16]
+    stats = {}
+    assert run(stats=stats, half_slots=False) == vmapped[0] and stats["half_slots"] == 0
 
 
 def test_sweep__worker_processes_give_the_threads_rows_and_a_dead_one_is_replaced(vmapped):
@@ -359,10 +377,12 @@ def test_sweep__worker_processes_give_the_threads_rows_and_a_dead_one_is_replace
 
 @workers_only
 def test_sweep__a_second_start_loads_the_chunk_from_the_store_and_ships_it_to_workers(tmp_path):
-    """With JAX's persistent cache on, the compiled chunk is also kept in the executable
+    """With JAX's persistent cache on, the compiled chunks are also kept in the executable
     store (sim/executable_store.py). Two fresh processes with one cache directory: the first
-    compiles and stores the chunk, the second loads it without tracing it; both ship it to
-    their worker processes, and give the rows of threads."""
+    asks for half slots, so it compiles and stores the chunks at both slot counts; the
+    second, by default, finds the half-slot chunk stored, so it steps at half the slots
+    too, and loads both without tracing them. Both ship them to their worker processes,
+    and give the rows of threads."""
     path = tmp_path / "trace.json"
     path.write_text(json.dumps(TRACE))
     script = (
@@ -374,19 +394,20 @@ def test_sweep__a_second_start_loads_the_chunk_from_the_store_and_ships_it_to_wo
         f"grid = {GRID!r}\n"
         "trace = json.load(open(sys.argv[1]))\n"
         "stats = {}\n"
-        "rows = sweep(trace, **grid, **kw, workers=True, stats=stats)\n"
+        "rows = sweep(trace, **grid, **kw, workers=True, stats=stats, half_slots=eval(sys.argv[3]))\n"
         "assert stats['workers'] == 2\n"
         "assert rows == sweep(trace, **grid, **kw, workers=False)\n"
         "print(json.dumps(stats))\n")
     env = {k: v for k, v in os.environ.items() if k != "JAXSCHED_COMPILATION_CACHE_DIR"}
     stats = []
-    for _ in range(2):
-        got = subprocess.run([sys.executable, "-c", script, str(path), str(tmp_path / "cache")],
+    for half in ("True", "None"):
+        got = subprocess.run([sys.executable, "-c", script, str(path), str(tmp_path / "cache"), half],
                              capture_output=True, text=True, env=env, timeout=300)
         assert got.returncode == 0, got.stderr[-3000:]
         stats.append(json.loads(got.stdout.strip().splitlines()[-1]))
-        assert len(list((tmp_path / "cache" / "jaxsched-executables").glob("*.exe"))) == 1
-    assert "loaded" not in stats[0] and stats[1]["loaded"] == 1
+        assert len(list((tmp_path / "cache" / "jaxsched-executables").glob("*.exe"))) == 2
+    assert "loaded" not in stats[0] and stats[1]["loaded"] == 2
+    assert stats[0]["half_slots"] == stats[1]["half_slots"] == 16
     assert stats[1]["compiles"] < stats[0]["compiles"], stats
 
 

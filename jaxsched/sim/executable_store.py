@@ -92,6 +92,13 @@ def key(name: str, static: dict, args, options: dict | None) -> str:
     return hashlib.sha256("\x00".join(parts).encode()).hexdigest()
 
 
+def stored(name: str, static: dict, args, options: dict | None) -> bool:
+    """Is `name` (a function) with these static arguments, arguments (arrays or
+    jax.ShapeDtypeStructs) and options kept here (the store on)?"""
+    where = directory()
+    return where is not None and (where / (key(name, static, args, options) + SUFFIX)).is_file()
+
+
 def load(where: pathlib.Path, name: str) -> tuple[Any, bytes] | None:
     """(executable, its serialized bytes) of the entry `name`, or None (no entry, or one that
     does not load: deleted, so the caller compiles and saves it again)."""

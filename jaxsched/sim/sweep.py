@@ -320,6 +320,11 @@ RUNS = "runs"       # the vmap axis name of a batch of runs (core.batching decid
 # runs (about 25 ms at 50 us a run-step), so its dispatch is noise, and a shard with few
 # runs left calls only the blocks that hold them.
 MAP_BLOCK = 8
+# Grids from this many configurations step their runs at half the slots by default (on the
+# map path on the CPU; `sweep(half_slots=None)`), and so does any grid whose half-slot chunk
+# is compiled already. The half-slot chunk is a second compile as long as the first; from
+# 1024 configurations the runs it saves pay for it from a cold start.
+HALF_SLOTS_FROM = 1024
 # Compiled programs of a sweep (`_compiled`): (function, static arguments, argument shapes,
 # XLA options) -> executable: the chunk step per batch shape, and `first_batch`.
 _EXECUTABLES: dict = {}
@@ -387,27 +392,43 @@ def sweep_chunk(carry, cols, arrival_time, tokens, start, times, cap, width, vma
     return repack(jax.tree.map(flat, groups), flat(rec))
 
 
+def _chunk_static(cap, width, vmap_runs, skips, compiler_options) -> tuple[dict, dict | None]:
+    """`sweep_chunk`'s static arguments and XLA options (by default the replays':
+    core/xla_options.py). One run per group is the map path, whose skips are each run's
+    own: one executable."""
+    if compiler_options is None:
+        compiler_options = dict(replay_options()) or None
+    return dict(cap=cap, width=width, vmap_runs=vmap_runs, skips=skips or vmap_runs == 1), compiler_options
+
+
 def _executable(args, cap, width, vmap_runs, stats, compiler_options=None, skips=True):
     """The compiled `sweep_chunk` for these shapes (compiled once per process, and kept in
     `executable_store` while JAX's persistent cache is on; the time of a compile goes to
     stats['compile_s'], split into trace_s, lower_s, xla_s and save_s, or load_s for a stored
     one).
-    `compiler_options` are XLA's for this executable (benchmarks/sweep_compile.py); by
-    default the replays' (core/xla_options.py)."""
-    if compiler_options is None:
-        compiler_options = dict(replay_options()) or None
-    # One run per group is the map path, whose skips are each run's own: one executable.
-    return _compiled(sweep_chunk, args, dict(cap=cap, width=width, vmap_runs=vmap_runs,
-                                             skips=skips or vmap_runs == 1), stats, compiler_options,
-                     store=True)
+    `compiler_options` are XLA's for this executable (benchmarks/sweep_compile.py)."""
+    static, options = _chunk_static(cap, width, vmap_runs, skips, compiler_options)
+    return _compiled(sweep_chunk, args, static, stats, options, store=True)
+
+
+def _chunk_ready(args, cap, width) -> bool:
+    """Is the map path's chunk for these shapes (or jax.ShapeDtypeStructs) compiled in this
+    process already, or kept in `executable_store`: free to use?"""
+    static, options = _chunk_static(cap, width, 1, True, None)
+    return (_key(sweep_chunk, args, static, options) in _EXECUTABLES
+            or executable_store.stored(sweep_chunk.__name__, static, args, options))
+
+
+def _key(fn, args, static: dict, compiler_options) -> tuple:
+    shapes = tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(args))
+    return fn, tuple(static.items()), shapes, tuple(sorted((compiler_options or {}).items()))
 
 
 def _compiled(fn, args, static: dict, stats, compiler_options=None, store: bool = False):
     """`fn` (a jitted function) compiled for these arguments' shapes and its static
     arguments, once per process, its compile time counted in `stats`. With `store`, through
     `executable_store` (looked up before anything is traced, saved once compiled)."""
-    shapes = tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(args))
-    key = (fn, tuple(static.items()), shapes, tuple(sorted((compiler_options or {}).items())))
+    key = _key(fn, args, static, compiler_options)
     exe = _EXECUTABLES.get(key)
     if exe is None:
         exe, blob = executable_store.compile_or_load(fn, args, static, compiler_options, stats, store)
@@ -533,7 +554,7 @@ def _limit_columns(dims: tuple) -> dict[int, np.ndarray]:
 def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: int, progress: bool,
             threads: int = 1, stats: dict | None = None, skips: bool = True, batch: int | None = None,
             label: str = "sweep", starts: dict | None = None, watch=None, work=None, workers: bool = False,
-            half_slots: bool = False):
+            half_slots: bool | None = False):
     """Run every config to the end; (records [runs, T, NUM_COLS], per_request [runs, 4, N]) or
     None when some run had more requests alive than slots. `batch` (at least the runs):
     the batch is shaped as for that many runs, the rest padding (so a wave of a pruned
@@ -578,6 +599,32 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
     per_request[:, :, len(reqs):] = 0
     per_request[ids < 0] = 0
     seed = (np.int32(cap_config.seed), np.int32(cap_config.artificial_preemption_count))
+    steps = np.array([r["arrival_step"] for r in reqs])
+    arrivals = np.sort(steps)
+    order = np.argsort(steps, kind="stable")
+    cols = np.array([[r[k] for r in reqs] for k in ("arrival_step", "prompt_len", "n", "max_tokens")])
+    cols = np.stack([cols[0], np.arange(len(reqs)), *cols[1:]])[:, order].astype(np.int32)
+    cols = np.pad(cols, ((0, 0), (0, padded - len(reqs))))
+    cols[0, len(reqs):] = np.iinfo(np.int32).max          # a step no replay reaches
+    arrival_time = np.array([s * trace.step_time for s in steps[order]] + [0.0] * (padded - len(reqs)),
+                            np.float32)
+    cols, arrival_time = jax.device_put(cols), jax.device_put(arrival_time)
+    # SPEC A10: the prompts, in arrival order, only where the runs cache prefixes.
+    tok_width = cap["max_blocks_per_seq"] * configs[0].block_size if configs[0].enable_prefix_caching else 0
+    tokens = np.zeros((padded, tok_width), np.int32)
+    for row, i in enumerate(order if tok_width else ()):
+        tokens[row] = trace.prompt_token_ids(int(i), tok_width)
+    tokens = jax.device_put(tokens)
+    width = pow2(max(8, np.bincount(steps).max()))
+    K = CHUNK_STEPS
+    if half_slots is None:          # by measurement (sweep's docstring)
+        small = dataclasses.replace(cap_config, num_slots=cap["num_slots"] // 2).capacity()
+        shapes = jax.eval_shape(functools.partial(first_batch, capacity=small),
+                                jax.tree.map(lambda x: x[:size], limits), per_request[:size], *seed)
+        half_slots = (group == 1 and cap["num_slots"] >= 2 and jax.default_backend() == "cpu"
+                      and (positions >= HALF_SLOTS_FROM or _chunk_ready(
+                          (shapes, cols, arrival_time, tokens, jax.ShapeDtypeStruct((size,), np.int32),
+                           jax.ShapeDtypeStruct((size, K), np.float32)), small, width)))
     # Half the slots for the runs they surely hold (sweep_slots: `half_slots`), on the map
     # path on the CPU (host threads or worker processes, which hold both carries of their
     # blocks and move runs between them on request). A run that starts from another's state starts at
@@ -607,28 +654,10 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
         for pos in np.nonzero(ids >= 0)[0]:
             if (s := starts.get(int(ids[pos]))) is not None:
                 offset[pos], done[ids[pos]], last[ids[pos]] = s.step, s.finished, s.last
-    steps = np.array([r["arrival_step"] for r in reqs])
-    arrivals = np.sort(steps)
-    order = np.argsort(steps, kind="stable")
-    cols = np.array([[r[k] for r in reqs] for k in ("arrival_step", "prompt_len", "n", "max_tokens")])
-    cols = np.stack([cols[0], np.arange(len(reqs)), *cols[1:]])[:, order].astype(np.int32)
-    cols = np.pad(cols, ((0, 0), (0, padded - len(reqs))))
-    cols[0, len(reqs):] = np.iinfo(np.int32).max          # a step no replay reaches
-    arrival_time = np.array([s * trace.step_time for s in steps[order]] + [0.0] * (padded - len(reqs)),
-                            np.float32)
-    cols, arrival_time = jax.device_put(cols), jax.device_put(arrival_time)
-    # SPEC A10: the prompts, in arrival order, only where the runs cache prefixes.
-    tok_width = cap["max_blocks_per_seq"] * configs[0].block_size if configs[0].enable_prefix_caching else 0
-    tokens = np.zeros((padded, tok_width), np.int32)
-    for row, i in enumerate(order if tok_width else ()):
-        tokens[row] = trace.prompt_token_ids(int(i), tok_width)
-    tokens = jax.device_put(tokens)
-    width = pow2(max(8, np.bincount(steps).max()))
     chunks: list[np.ndarray] = []                  # global chunk index -> records of every run
     final = np.zeros((runs, 4, len(reqs)), np.int32)
     capacity = cap_config.capacity()
     sizes, stepped, made, half_steps, live_steps, moves = [size], 0, 0, 0, 0, [0, 0]
-    K = CHUNK_STEPS
 
     def split(batch):
         return [jax.tree.map(lambda x: x[i * size:(i + 1) * size], batch) for i in range(blocks)]
@@ -921,7 +950,7 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
           preemption_costs=None, memory=None, slo_ttft: float | None = None,
           slo_tpot: float | None = None, per_request: bool = False, stats: dict | None = None,
           vmap_skips: bool | None = None, prune: bool | None = None, workers: bool | None = None,
-          half_slots: bool = False, **axes) -> list[dict]:
+          half_slots: bool | None = None, **axes) -> list[dict]:
     """Replay `trace` under every combination of the given limit lists; one row per run.
 
     Memory axes, vLLM's knobs: `gpu_memory_utilization` and `swap_space` (GiB), each a list
@@ -968,19 +997,19 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
     measured (1024 configurations: 21.7-22.0 s against 23.5-25.0 s with the workers up).
     A failed worker raises `sweep_workers.WorkerError` (a RuntimeError); the next sweep
     starts a new one.
-    `half_slots`: on the map path on the CPU, on threads or worker processes (elsewhere an
-    error), step each
-    run at half the request slots while that surely holds it (the requests alive at a
-    chunk's start plus those arriving in it fit there), moving it up before it could need
-    more and back down once its highest slots are empty (sim/sweep_slots.py); rows do not
-    depend on it. Off by default, by measurement (benchmarks/results/sweep_half_slots.md,
-    made before the replays' XLA passes, core/xla_options.py; with them the gain is smaller,
-    0.89-0.97x at 64 configurations and 0.78-0.90x at 256 in a quick check):
-    a pruned grid's runs take 0.73-0.81x as long (12 s less at 1024 configurations), but
-    the half-slot chunk is one more compile, as long as the first, so a cold start is
-    slower at every grid size measured (1024: 74.7 against 63.1 s); with both chunks in the
-    persistent compilation cache (`jaxsched sweep` keeps one) a start of 1024
-    configurations is faster (42.0 against 49.1 s), of 256 about even.
+    `half_slots`: on the map path on the CPU, on threads or worker processes (True
+    elsewhere is an error), step each run at half the request slots while that surely
+    holds it (the requests alive at a chunk's start plus those arriving in it fit there),
+    moving it up before it could need more and back down once its highest slots are empty
+    (sim/sweep_slots.py); rows do not depend on it. None (default): on, by measurement, for
+    grids of HALF_SLOTS_FROM (1024) configurations or more, and for any grid whose
+    half-slot chunk is compiled in this process or kept in the executable store (a sweep
+    of that capacity made it before); off otherwise. A pruned grid's runs take 0.69-0.80x
+    as long (benchmarks/results/sweep_half_slots.md and sweep_half_slots_workers.md: 64 to
+    1024 configurations, threads or worker processes), but the half-slot chunk is one more
+    compile, as long as the first: from cold, 1024 configurations are about even (24.0
+    against 22.8 s in fresh processes), smaller grids slower (the compile is 5-6 s, the
+    runs of 256 configurations save 1.6 s); once it is compiled, every grid gains.
     `prune`: run each grid line's largest configuration first, not run the configurations
     whose rows one of those runs gives exactly (sim/sweep_prune.py: every test against their
     limits would come out the same), and start the others from the state of a run made
@@ -1060,8 +1089,8 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
         raise SweepError("sweep: workers=True needs the map path (vmap_runs=1), threads >= 2 and "
                          "a system that pins processes to CPUs (Linux, two CPUs or more)")
     workers = bool(workers)
-    if not isinstance(half_slots, (bool, np.bool_)):
-        raise SweepError(f"sweep: half_slots must be True or False, got {half_slots!r}")
+    if half_slots is not None and not isinstance(half_slots, (bool, np.bool_)):
+        raise SweepError(f"sweep: half_slots must be True, False or None, got {half_slots!r}")
     if half_slots and (vmap_runs > 1 or jax.default_backend() != "cpu"):
         raise SweepError("sweep: half_slots=True needs the map path (vmap_runs=1) on the CPU backend")
     # The first wave, when there is one (by measurement by default: see the docstring).
@@ -1075,7 +1104,7 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
     t0 = time.perf_counter()
     try:
         out = _sweep_replay(parsed, configs, cap, capacity, vmap_runs, progress, threads, info,
-                            bool(vmap_skips), first, workers, bool(half_slots))
+                            bool(vmap_skips), first, workers, None if half_slots is None else bool(half_slots))
     finally:                    # also when runs did not drain (a benchmark times a few chunks)
         if stats is not None:
             wall = time.perf_counter() - t0
