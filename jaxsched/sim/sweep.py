@@ -61,8 +61,9 @@ run made before, at the last chunk boundary up to which that run's decisions are
 
 Request slots are a static size too. A sweep starts with a modest number of slots and, if
 some run ever has more requests alive than slots, doubles them and starts over (one more
-compile); results never depend on the slot count, only the speed does. With `half_slots` a
-run steps at half of them while that surely holds it (sim/sweep_slots.py).
+compile); results never depend on the slot count, only the speed does. With half slots a
+run steps at half of them while that surely holds it (sim/sweep_slots.py; `half_slots`: by
+default from HALF_SLOTS_FROM configurations, or once their chunk is compiled).
 """
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """A sweep run's state moved between request-slot counts, on the host.
 
-A step costs about 0.35 us per slot on the CPU backend (benchmarks/results/sweep_slots.md),
+A step costs about 0.35-0.42 us per slot on the CPU backend (benchmarks/results/sweep_slots.md),
 and most runs of a grid never hold half the slots its busiest run needs. So with
-`sweep(..., half_slots=True)` the map path steps each run at half the slots while that is
+half slots (`sweep(..., half_slots=...)`: by default from 1024 configurations, or once
+their chunk is compiled) the map path steps each run at half the slots while that is
 sure to hold it for the next chunk (the requests alive at the chunk's start plus those
 arriving in it), moves it to the full count at a chunk boundary before it could need more,
 and back down once its highest slots are empty again (`sweep._replay`). A state is moved

@@ -170,7 +170,7 @@ class Shards:
     def start(self, exe, blob: bytes, consts, carries, small=None) -> None:
         """Give each worker the chunk and its blocks' carries. `exe` is the parent's compiled
         chunk, `blob` its bytes (`sweep.serialized`), shipped to a worker that lacks it.
-        `small`: (exe, blob, carries) of the blocks at half the slots (`sweep(half_slots=True)`),
+        `small`: (exe, blob, carries) of the blocks at half the slots (`sweep(half_slots=...)`),
         else None."""
         import jax
         import numpy as np
