@@ -36,7 +36,8 @@ time of the runs. A second table starts fresh processes on the 64-configuration 
 the persistent compilation cache (as `jaxsched sweep` has it) in an empty directory: the first
 start compiles, a second start of the same grid, a start of another grid of the same
 capacity, one of the 16-configuration grid and one of another trace (NEARBY: 470 requests,
-padded to the same request axis) load the executable from disk. Run-steps are the steps each run takes to drain, summed over the grid.
+padded to the same request axis) load the executable from disk. Run-steps are the steps
+each run takes to drain, summed over the grid.
 Every timed python-loop and simulate run is checked against the sweep's row for its
 configuration (steps and preemptions). Results go to benchmarks/results/sweep.{json,md} and
 the plot of cost per run-step against grid size to sweep_scaling.png; the rows of the
@@ -271,7 +272,8 @@ def compile_starts(trace, size: int = 64) -> list:
                                     (f"another trace ({NEARBY['num_requests']} requests), same grid",
                                      axes, size, nearby)):
             env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-            got = subprocess.run([sys.executable, "-c", START, str(where), json.dumps(ax), str(pathlib.Path(tmp) / "xla")],
+            got = subprocess.run([sys.executable, "-c", START, str(where), json.dumps(ax),
+                                  str(pathlib.Path(tmp) / "xla")],
                                  env=env, check=True, capture_output=True, text=True)
             out.append(dict(configs=n, start=start, **json.loads(got.stdout.strip().splitlines()[-1])))
     return out

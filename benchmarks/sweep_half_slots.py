@@ -137,7 +137,8 @@ def main() -> None:
                   markdown_table(starts, ["configs", "half_slots", "start", "compile_s", "run_s", "wall_s"]), ""]
     text = "\n".join(lines)
     print(text)
-    save_results("sweep_half_slots_workers" if WORKERS else "sweep_half_slots", dict(grid=rows, cached_starts=starts, seconds=seconds), text)
+    save_results("sweep_half_slots_workers" if WORKERS else "sweep_half_slots",
+                 dict(grid=rows, cached_starts=starts, seconds=seconds), text)
 
 
 if __name__ == "__main__":

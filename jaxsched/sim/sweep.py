@@ -620,13 +620,13 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
     width = pow2(max(8, np.bincount(steps).max()))
     K = CHUNK_STEPS
     if half_slots is None:          # by measurement (sweep's docstring)
-        small = dataclasses.replace(cap_config, num_slots=cap["num_slots"] // 2).capacity()
-        shapes = jax.eval_shape(functools.partial(first_batch, capacity=small),
-                                jax.tree.map(lambda x: x[:size], limits), per_request[:size], *seed)
-        half_slots = (group == 1 and cap["num_slots"] >= 2 and jax.default_backend() == "cpu"
-                      and (positions >= HALF_SLOTS_FROM or _chunk_ready(
-                          (shapes, cols, arrival_time, tokens, jax.ShapeDtypeStruct((size,), np.int32),
-                           jax.ShapeDtypeStruct((size, K), np.float32)), small, width)))
+        half_slots = group == 1 and cap["num_slots"] >= 2 and jax.default_backend() == "cpu"
+        if half_slots and positions < HALF_SLOTS_FROM:      # only if its chunk is compiled
+            small = dataclasses.replace(cap_config, num_slots=cap["num_slots"] // 2).capacity()
+            shapes = jax.eval_shape(functools.partial(first_batch, capacity=small),
+                                    jax.tree.map(lambda x: x[:size], limits), per_request[:size], *seed)
+            half_slots = _chunk_ready((shapes, cols, arrival_time, tokens, jax.ShapeDtypeStruct((size,), np.int32),
+                                       jax.ShapeDtypeStruct((size, K), np.float32)), small, width)
     # Half the slots for the runs they surely hold (sweep_slots: `half_slots`), on the map
     # path on the CPU (host threads or worker processes, which hold both carries of their
     # blocks and move runs between them on request). A run that starts from another's state starts at
