@@ -45,9 +45,10 @@ its runs needs (`vmap_skips`, measured against masking every branch). Compile ti
 reported apart (`stats`); one compiled chunk serves every batch of the same capacity and
 shape within a process (on the map path every grid of a capacity, whatever its size: the
 blocks are all MAP_BLOCK runs; and every trace of a nearby size: its request count and
-longest sequence round up to `capacity.bucket`'s steps), and `jaxsched sweep` turns on the persistent compilation cache
-across processes, where the chunk's executable is kept by `executable_store`: a later start
-loads it without tracing or lowering it (about 1 s, against 2.8 s through JAX's cache).
+longest sequence round up to `capacity.bucket`'s steps), and `jaxsched sweep` turns on the
+persistent compilation cache across processes, where the chunk's executable is kept by
+`executable_store`: a later start loads it without tracing or lowering it (about 1 s,
+against 2.8 s through JAX's cache).
 
 Not every configuration needs a run of its own (`prune`, sim/sweep_prune.py): each step
 reports how much its block and max_num_seqs tests had to spare, so a run whose tests all
@@ -628,9 +629,9 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
             half_slots = _chunk_ready((shapes, cols, arrival_time, tokens, jax.ShapeDtypeStruct((size,), np.int32),
                                        jax.ShapeDtypeStruct((size, K), np.float32)), small, width)
     # Half the slots for the runs they surely hold (sweep_slots: `half_slots`), on the map
-    # path on the CPU (host threads or worker processes, which hold both carries of their
-    # blocks and move runs between them on request). A run that starts from another's state starts at
-    # the full count; every run moves down and up between chunks.
+    # path on the CPU (host threads, or worker processes, which hold both carries of their
+    # blocks and move runs between them on request). A run that starts from another's state
+    # starts at the full count; every run moves down and up between chunks.
     half = cap["num_slots"] // 2 if half_slots else 0
     small_at = (ids >= 0) & bool(half) & ~np.isin(ids, list(starts))   # positions at half the slots
     # A position is stepped in the batch that holds its run; in the other it is drained.
