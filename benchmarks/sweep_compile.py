@@ -30,7 +30,11 @@ from jaxsched.sim.workload import generate_trace
 
 OPTIONS = {
     "front-end default": {},
+    "LLVM -O2": {"xla_backend_optimization_level": 2},
     "LLVM -O1": {"xla_backend_optimization_level": 1},
+    "LLVM -O1, no expensive passes": {"xla_backend_optimization_level": 1,
+                                      "xla_llvm_disable_expensive_passes": True},
+    "LLVM -O0": {"xla_backend_optimization_level": 0},
     "no expensive LLVM passes": {"xla_llvm_disable_expensive_passes": True},
     "classic fusion emitters": {"xla_cpu_use_fusion_emitters": False},
     "the tests' (-O0, classic emitters)": {"xla_backend_optimization_level": 0,
