@@ -450,7 +450,9 @@ def test_cli_sweep__prints_a_table_and_writes_csv_json_and_plots(tmp_path, capsy
                   "--preemption-mode", "recompute,swap", "--capacity", capacity,
                   "--step-cost", "0.5,0,0,0", "--no-progress", "-o", str(tmp_path / "out")])
     out, err = capsys.readouterr()
-    assert re.search(r"^sweep: compile \d+\.\d s, runs \d+\.\d s$", err, re.M), err     # apart from the results
+    # Apart from the results (half slots: by default once their chunk is compiled in the process).
+    assert re.search(r"^sweep: compile \d+\.\d s, runs \d+\.\d s(, \d+% of the run-steps at half the slots)?$",
+                     err, re.M), err
     assert rc == 0 and "| preemption_mode | max_num_seqs | num_device_blocks | steps |" in out
     rows = list(csv.DictReader(open(tmp_path / "out" / "sweep.csv")))
     assert len(rows) == 16 and float(rows[0]["seconds"]) == 0.5 * int(rows[0]["steps"])
@@ -498,7 +500,11 @@ def test_cli_sweep__prune_or_not_or_half_slots_give_the_same_rows(tmp_path, caps
     assert (tmp_path / "3" / "sweep.json").read_text() == (tmp_path / "4" / "sweep.json").read_text()
     # --half-slots: runs at half the slots where that holds them, the same rows.
     assert run_cli(argv + ["--prune", "--half-slots", "-o", str(tmp_path / "6")]) == 0
+    assert re.search(r", \d+% of the run-steps at half the slots$", capsys.readouterr().err, re.M)
     assert (tmp_path / "6" / "sweep.json").read_text() == (tmp_path / "3" / "sweep.json").read_text()
+    assert run_cli(argv + ["--prune", "--no-half-slots", "-o", str(tmp_path / "7")]) == 0
+    assert "half the slots" not in capsys.readouterr().err
+    assert (tmp_path / "7" / "sweep.json").read_text() == (tmp_path / "3" / "sweep.json").read_text()
     if sweep_workers.available():           # --workers: the shards on worker processes, the same rows
         assert run_cli(argv + ["--prune", "--workers", "-o", str(tmp_path / "5")]) == 0
         assert (tmp_path / "5" / "sweep.json").read_text() == (tmp_path / "3" / "sweep.json").read_text()

@@ -342,7 +342,10 @@ def cmd_sweep(args) -> int:
     # Time to stderr, apart from the results: compiling the chunk can outlast a small grid's runs.
     if "compile_s" in stats:
         loaded = " (the chunk loaded from the compilation cache)" if stats.get("loaded") else ""
-        print(f"sweep: compile {stats['compile_s']:.1f} s{loaded}, runs {stats['run_s']:.1f} s", file=sys.stderr)
+        half = (f", {stats['half_slot_run_steps'] / max(1, stats['live_run_steps']):.0%} of the run-steps "
+                f"at half the slots" if stats.get("half_slots") else "")
+        print(f"sweep: compile {stats['compile_s']:.1f} s{loaded}, runs {stats['run_s']:.1f} s{half}",
+              file=sys.stderr)
     print(markdown_table(rows, columns))
     if args.min_goodput is not None:
         pick = pick_smallest(rows, args.min_goodput)
