@@ -341,7 +341,9 @@ def cmd_sweep(args) -> int:
     print(f"swept {args.trace}: {len(rows)} runs" + (f" ({'; '.join(saved)})" if saved else ""))
     # Time to stderr, apart from the results: compiling the chunk can outlast a small grid's runs.
     if "compile_s" in stats:
-        loaded = " (the chunk loaded from the compilation cache)" if stats.get("loaded") else ""
+        count = stats.get("loaded", 0)
+        loaded = (f" ({'the chunk' if count == 1 else f'{count} chunks'} loaded from the compilation cache)"
+                  if count else "")
         half = (f", {stats['half_slot_run_steps'] / max(1, stats['live_run_steps']):.0%} of the run-steps "
                 f"at half the slots" if stats.get("half_slots") else "")
         print(f"sweep: compile {stats['compile_s']:.1f} s{loaded}, runs {stats['run_s']:.1f} s{half}",
