@@ -477,7 +477,7 @@ def test_first_wave__the_largest_of_each_line_of_more_than_one():
     assert sweep_prune.first_wave(configs(watermark=[0.0, 0.01, 0.1])) == []   # no shared line
 
 
-def test_cli_sweep__prune_or_not_or_half_slots_give_the_same_rows(tmp_path, capsys):
+def test_cli_sweep__prune_or_not_or_half_slots_give_the_same_rows(tmp_path, capsys, monkeypatch):
     path = tmp_path / "trace.json"
     path.write_text(json.dumps(TRACE))
     capacity = ",".join(f"{k}={v}" for k, v in CAPACITY.items())
@@ -508,6 +508,17 @@ def test_cli_sweep__prune_or_not_or_half_slots_give_the_same_rows(tmp_path, caps
     if sweep_workers.available():           # --workers: the shards on worker processes, the same rows
         assert run_cli(argv + ["--prune", "--workers", "-o", str(tmp_path / "5")]) == 0
         assert (tmp_path / "5" / "sweep.json").read_text() == (tmp_path / "3" / "sweep.json").read_text()
+    # With both slot counts' chunks from the executable store (the tests keep it off), it says so.
+    real = sw.sweep
+
+    def from_store(*args, stats=None, **kwargs):
+        rows = real(*args, stats=stats, **kwargs)
+        stats["loaded"] = 2
+        return rows
+    monkeypatch.setattr(sw, "sweep", from_store)
+    assert run_cli(argv + ["--prune", "--half-slots", "-o", str(tmp_path / "8")]) == 0
+    assert re.search(r"^sweep: compile \d+\.\d s \(2 chunks loaded from the compilation cache\), runs ",
+                     capsys.readouterr().err, re.M)
 
 
 def test_sweep__more_requests_alive_than_slots_doubles_them_or_says_so(monkeypatch):
