@@ -755,15 +755,11 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
                 # configurations 1.98-3.14 s against 1.64-1.69, 16 configurations
                 # 1.06-1.5 s against 0.87-1.05.
                 def advance(b):
-                    """Block b's chunk: its records (its live runs'; zeros elsewhere)."""
                     mine = slice(b * size, (b + 1) * size)
-                    rec = np.zeros((size, K, NUM_COLS), np.int32)
-                    for batches, run, at in ((carries, exe, ~small_at[mine]), (smalls, exe_small, small_at[mine])):
-                        if run is not None and (live[mine] & at).any():
-                            batches[b], got = jax.block_until_ready(run(
-                                batches[b], cols, arrival_time, tokens, first[mine], times[mine]))
-                            rec = np.where(at[:, None, None], np.asarray(got), rec)
-                    return rec
+                    busy = [run is not None and (live[mine] & at).any()
+                            for run, at in ((exe, ~small_at[mine]), (exe_small, small_at[mine]))]
+                    return step_block((carries, smalls), (exe, exe_small), b, (cols, arrival_time, tokens),
+                                      first[mine], times[mine], small_at[mine], busy)
                 # On threads any thread may step any block (the carries are this process's):
                 # the blocks with live runs go to whichever thread is free, the most live runs
                 # first, so the threads finish a chunk within about one small block of each
@@ -844,6 +840,20 @@ def _write_rows(carry, index: np.ndarray, data=None, per=None):
         host[index] = per
         per_request = jax.device_put(host)
     return state, per_request
+
+
+def step_block(carries, exes, b, consts, first, times, at_small, busy) -> np.ndarray:
+    """Block b's chunk, on host threads or in a worker process: `carries` (the blocks'
+    carries at the full slot count and at half, or None) and `exes` (their compiled
+    chunks) are stepped where `busy` says that carry of the block has a live run. Returns
+    the block's records, each position's from the carry that holds it (`at_small`: the
+    half-slot one), zeros where neither ran."""
+    rec = np.zeros((len(first), times.shape[1], NUM_COLS), np.int32)
+    for blocks, exe, at, go in zip(carries, exes, (~at_small, at_small), busy):
+        if go:
+            blocks[b], got = jax.block_until_ready(exe(blocks[b], *consts, first, times))
+            rec = np.where(at[:, None, None], np.asarray(got), rec)
+    return rec
 
 
 def move_rows(src, dst, local: np.ndarray, slots: int, stats: dict):

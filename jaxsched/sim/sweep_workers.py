@@ -269,15 +269,10 @@ def _serve() -> None:
             elif command == "advance":  # the records of its busy blocks, in order
                 value = []
                 for b, (first, when, busy, busy_small, at) in enumerate(zip(*args)):
-                    rec = None
-                    if busy:
-                        carry[b], got = exe(carry[b], *consts, first, when)
-                        rec = np.asarray(got)
-                    if busy_small:
-                        small[b], got = exe_small(small[b], *consts, first, when)
-                        rec = np.asarray(got) if rec is None else np.where(at[:, None, None], got, rec)
-                    if rec is not None:
-                        value.append(rec)
+                    if busy or busy_small:
+                        value.append(sw.step_block((carry, small), (exe, exe_small), b, consts, first, when,
+                                                   np.zeros(len(first), bool) if at is None else at,
+                                                   (busy, busy_small)))
             elif command == "move":     # runs of a block between its two slot counts
                 b, local, to_small, slots = args
                 if to_small:
