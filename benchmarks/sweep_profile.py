@@ -1,19 +1,23 @@
-"""Where a vmapped sweep chunk's time goes: one profiled chunk, its device ops summed.
+"""Where a sweep chunk's time goes (vmapped, or --map): one profiled chunk, its device ops summed.
 
     python benchmarks/sweep_profile.py [--configs 1024] [--skip-chunks 8] [--top 40] [--no-vmap-skips]
-                                       [--results DIR]
+                                       [--map] [--num-slots N] [--results DIR]
 
 The 500-request trace and grid of `benchmarks/sweep.py` (--configs configurations), all runs
 in one `jax.vmap` on one thread (the accelerator default). The sweep's first --skip-chunks + 1
 chunks run under `jax.profiler` (compiled before), and the ops of the last chunk are summed,
 so the profile sees a busy middle of the trace, not its empty start. From the profile's
-Perfetto trace: each chunk's run on the host, the last chunk's time per step from its
+Perfetto trace (with --map, the map path instead, the CPU default: one block of --configs <=
+MAP_BLOCK runs stepped one after another in one call, not pruned, so the window is that call
+and costs are per run-step; --num-slots fixes the request slots, to see what they cost): each
+chunk's run on the host, the last chunk's time per step from its
 dispatch to its last op, the time the device was busy (overlaps merged), ops and copies to
 the host per step, and the ops by total time, each with the jax source it came from (the
 innermost stack frame of its HLO instruction). An op's time is its own: on XLA:CPU a
 conditional's thunk spans the ops of its branch, which are counted apart. XLA_FLAGS: the
 caller's, else `jaxsched sweep`'s. Writes sweep_profile_BACKEND.{md,json}, the compressed
-trace and the optimized HLO beside them.
+trace and the optimized HLO beside them (named with _map after BACKEND with --map, then
+_Nslots with --num-slots).
 """
 from __future__ import annotations
 
@@ -38,13 +42,14 @@ from jaxsched.sim.simulate import CHUNK_STEPS
 from jaxsched.sim.workload import generate_trace
 
 
-def run_chunks(trace, axes, runs: int, chunks: int, skips: bool) -> float:
-    """Sweep the `runs` of the grid for `chunks` chunks in one vmap (the sweep stops there,
-    unfinished); its seconds."""
+def run_chunks(trace, axes, runs: int, chunks: int, skips: bool, capacity: dict | None = None) -> float:
+    """Sweep the grid for `chunks` chunks, `runs` in one vmap (1: the map path, unpruned, so
+    the block's runs all step to the end; the sweep stops there, unfinished); its seconds."""
     limited = dict(trace, config=dict(trace["config"], max_steps=chunks * CHUNK_STEPS))
     t0 = time.perf_counter()
     try:
-        sw.sweep(limited, **axes, vmap_runs=runs, threads=1, progress=False, vmap_skips=skips)
+        sw.sweep(limited, **axes, vmap_runs=runs, threads=1, progress=False, vmap_skips=skips,
+                 prune=False if runs == 1 else None, capacity=capacity)
     except RuntimeError:            # runs unfinished after max_steps: expected
         pass
     return time.perf_counter() - t0
@@ -133,6 +138,10 @@ def main() -> None:
     ap.add_argument("--skip-chunks", type=int, default=8)
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--no-vmap-skips", action="store_true", help="profile the batch that skips nothing")
+    ap.add_argument("--map", action="store_true",
+                    help=f"profile the map path instead (the CPU default): one block of --configs "
+                         f"<= {sw.MAP_BLOCK} runs, one run after another in one call")
+    ap.add_argument("--num-slots", type=int, help="request slots (default: the sweep's guess)")
     ap.add_argument("--results", default=str(RESULTS))
     args = ap.parse_args()
     results = pathlib.Path(args.results)
@@ -140,18 +149,27 @@ def main() -> None:
     backend = jax.default_backend()
     trace, axes = generate_trace(**TRACE), grid(args.configs)
     skips = not args.no_vmap_skips
-    run_chunks(trace, axes, args.configs, args.skip_chunks, skips)                  # compiles
-    plain = run_chunks(trace, axes, args.configs, args.skip_chunks + 1, skips)
+    if args.skip_chunks < 1:
+        ap.error("--skip-chunks: at least 1 (the chunks run once to compile before the profile)")
+    if args.map and args.configs > sw.MAP_BLOCK:
+        raise SystemExit(f"--map profiles one block: --configs at most {sw.MAP_BLOCK}")
+    runs = 1 if args.map else args.configs
+    tag = f"{backend}_map" if args.map else backend
+    cap = dict(num_slots=args.num_slots) if args.num_slots else None
+    if args.num_slots:
+        tag += f"_{args.num_slots}slots"
+    run_chunks(trace, axes, runs, args.skip_chunks, skips, cap)                  # compiles
+    plain = run_chunks(trace, axes, runs, args.skip_chunks + 1, skips, cap)
     with tempfile.TemporaryDirectory() as tmp:
         jax.profiler.start_trace(tmp, create_perfetto_trace=True)
-        profiled = run_chunks(trace, axes, args.configs, args.skip_chunks + 1, skips)
+        profiled = run_chunks(trace, axes, runs, args.skip_chunks + 1, skips, cap)
         jax.profiler.stop_trace()
         found = sorted(pathlib.Path(tmp).rglob("perfetto_trace.json.gz"))
         if not found:
             raise SystemExit(f"no perfetto_trace.json.gz in the profile: {list(pathlib.Path(tmp).rglob('*'))}")
         data = json.loads(gzip.open(found[0]).read())
     hlo = "\n".join(exe.as_text() for key, exe in sw._EXECUTABLES.items() if key[0] is sw.sweep_chunk)
-    with gzip.open(results / f"sweep_profile_{backend}.hlo.txt.gz", "wt") as f:
+    with gzip.open(results / f"sweep_profile_{tag}.hlo.txt.gz", "wt") as f:
         f.write(hlo)
     sources = hlo_sources(hlo)
     dev, host = device_events(data)
@@ -170,7 +188,7 @@ def main() -> None:
     finish = max(e["ts"] + e["dur"] for e in events)
     # The trace file keeps the last chunk's window, on every track (open it in Perfetto).
     kept = [e for e in data["traceEvents"] if e.get("ph") == "M" or begin <= e.get("ts", -1) <= finish]
-    with gzip.open(results / f"sweep_profile_{backend}.trace.json.gz", "wt") as f:
+    with gzip.open(results / f"sweep_profile_{tag}.trace.json.gz", "wt") as f:
         json.dump(dict(data, traceEvents=kept), f)
     by_op = defaultdict(lambda: [0.0, 0])
     for e, own in zip(events, self_us(events)):
@@ -178,7 +196,7 @@ def main() -> None:
         row[0] += own
         row[1] += 1
     total = sum(r[0] for r in by_op.values())
-    steps = CHUNK_STEPS
+    steps = CHUNK_STEPS * (args.configs if args.map else 1)     # run-steps in the window
     table = [dict(op=name[:50], source=sources.get(name, ""), total_ms=us / 1e3, share=us / total,
                   count=n, per_step=n / steps, mean_us=us / n)
              for name, (us, n) in sorted(by_op.items(), key=lambda kv: -kv[1][0])]
@@ -189,26 +207,31 @@ def main() -> None:
                  for k, v in sorted(by_source.items(), key=lambda kv: -kv[1])]
     summary = dict(backend=backend, device=jax.devices()[0].device_kind, jax=jax.__version__,
                    xla_flags=os.environ.get("XLA_FLAGS", ""), configs=args.configs,
-                   vmap_skips=skips, chunks=args.skip_chunks + 1, wall_s_plain=plain, wall_s_profiled=profiled,
+                   map_path=args.map, vmap_skips=skips, chunks=args.skip_chunks + 1, wall_s_plain=plain,
+                   wall_s_profiled=profiled,
                    chunk_host_ms=[round(e["dur"] / 1e3, 2) for e in chunk_runs],
                    window_us_per_step=(finish - begin) / steps, op_us_per_step=total / steps,
                    busy_us_per_step=busy_us(events) / steps, ops_per_step=len(events) / steps,
                    d2h_copies_per_step=sum(e["name"] == "MemcpyD2H" for e in events) / steps)
-    lines = [f"# A vmapped sweep chunk profiled: {args.configs} configurations, steps "
+    flags = (f"{'' if skips else ' --no-vmap-skips'}{' --map' if args.map else ''}"
+             f"{f' --num-slots {args.num_slots}' if args.num_slots else ''}")
+    lines = [f"# A {'map-path' if args.map else 'vmapped'} sweep chunk profiled: {args.configs} configurations, "
+             f"steps "
              f"{args.skip_chunks * CHUNK_STEPS}..{(args.skip_chunks + 1) * CHUNK_STEPS - 1} "
              f"({backend}: {summary['device']}, jax {summary['jax']}, XLA_FLAGS={summary['xla_flags']!r})", "",
              f"`python benchmarks/sweep_profile.py --configs {args.configs} --skip-chunks {args.skip_chunks}"
-             f"{'' if skips else ' --no-vmap-skips'}`: "
+             f"{flags}`: "
              f"the sweep's first {args.skip_chunks + 1} chunks under the profiler (compiled before: "
              f"{plain:.2f} s without the profiler, {profiled:.2f} s with); ops summed over the last chunk. "
-             f"Per step: {summary['window_us_per_step']:.0f} us from its dispatch to its last op, "
+             f"Per {'run-' if args.map else ''}step: {summary['window_us_per_step']:.0f} us from its dispatch "
+             f"to its last op, "
              f"ops {summary['op_us_per_step']:.0f} us, device busy {summary['busy_us_per_step']:.0f} us, "
              f"{summary['ops_per_step']:.0f} ops, {summary['d2h_copies_per_step']:.1f} copies to the host. "
              f"Each chunk's run on the host (ms): {summary['chunk_host_ms']}.", "",
              markdown_table(table[:args.top], list(table[0])), "",
              "## By source line", "", markdown_table(lines_src[:args.top], list(lines_src[0])), ""]
-    (results / f"sweep_profile_{backend}.md").write_text("\n".join(lines))
-    (results / f"sweep_profile_{backend}.json").write_text(
+    (results / f"sweep_profile_{tag}.md").write_text("\n".join(lines))
+    (results / f"sweep_profile_{tag}.json").write_text(
         json.dumps(dict(summary=summary, ops=table[:400], sources=lines_src), indent=1))
     print("\n".join(lines))
 
