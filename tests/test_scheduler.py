@@ -244,7 +244,9 @@ def test_admitted_entries__row_ranks_equal_the_flat_rank_of_fresh_entries():
 def test_simulate__more_requests_alive_than_its_first_slots_restarts_with_twice_as_many(monkeypatch):
     """A trace longer than START_SLOTS starts with that many slots; more requests alive at
     once restarts the replay with twice as many, and the result is the one sized for every
-    request. A num_slots the caller fixed is never raised: too few is one clear error."""
+    request. A trace that surely has more alive at once (`capacity.surely_alive`: 53 of these
+    60) starts with enough, no restart. A num_slots the caller fixed is never raised: too few
+    is one clear error."""
     import jaxsched.sim.simulate as sim
     from jaxsched.sim.workload import generate_trace
     trace = generate_trace(60, rate=2.0, seed=5, config=dict(num_device_blocks=64, max_num_seqs=8))
@@ -253,6 +255,10 @@ def test_simulate__more_requests_alive_than_its_first_slots_restarts_with_twice_
     replay = sim._replay
     monkeypatch.setattr(sim, "_replay", lambda tr, cfg, *a: sizes.append(cfg.num_slots) or replay(tr, cfg, *a))
     monkeypatch.setattr(sim, "START_SLOTS", 32)
+    assert sim.simulate(trace["config"], trace["requests"]) == want
+    assert sizes == [64]
+    sizes.clear()
+    monkeypatch.setattr(sim, "surely_alive", lambda *a: 0)
     assert sim.simulate(trace["config"], trace["requests"]) == want
     assert sizes == [32, 64]
     with pytest.raises(sim.SlotsExceeded, match=r"more than num_slots=32 requests alive at step \d+"):

@@ -584,9 +584,25 @@ def test_sweep__slot_doublings_restart_with_the_same_rows(vmapped, monkeypatch):
     monkeypatch.setattr(sweep_module, "sweep_capacity", lambda *a, **k: dict(CAPACITY, num_slots=8))
     stats = {}
     doubled = sweep(TRACE, **GRID, vmap_runs=16, threads=2, progress=False, stats=stats)
-    assert stats["num_slots"] > 8
+    assert stats["num_slots"] > 8 and stats["num_slots"] == 8 << stats["restarts"]
     assert [{k: r[k] for k in (*GRID, *METRICS)} for r in doubled] == \
         [{k: r[k] for k in (*GRID, *METRICS)} for r in rows]
+
+
+def test_sweep__a_burst_starts_with_the_slots_it_surely_needs(monkeypatch, capsys):
+    """100 requests arriving at once are all alive in the first step: the sweep starts with
+    128 slots (`capacity.surely_alive`), not its guess of 64 (2 x max_num_seqs, at least 64)
+    and a restart at 128 with one more compile. Rows equal `simulate`'s."""
+    monkeypatch.setattr(sw, "_EXECUTABLES", {})
+    burst = dict(config=dict(block_size=16, num_device_blocks=64, num_host_blocks=16, max_num_seqs=8),
+                 requests=[dict(id=f"b{i}", prompt_len=8 + i % 24, max_tokens=1 + i % 7) for i in range(100)])
+    stats = {}
+    rows = sweep(burst, max_num_seqs=[4, 8], threads=1, progress=True, stats=stats)
+    assert (stats["num_slots"], stats["restarts"], stats["compiles"]) == (128, 0, 2), stats   # chunk, first batch
+    assert "restarting" not in capsys.readouterr().err
+    for row in rows:
+        result = simulate(dict(burst["config"], max_num_seqs=row["max_num_seqs"]), burst["requests"])
+        assert (row["steps"], row["num_preemptions"]) == (summarize(result)["steps"], result["num_preemptions"])
 
 
 def test_sweep__prefix_caching_is_an_axis_and_every_run_equals_simulate():

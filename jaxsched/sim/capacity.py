@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+import numpy as np
+
 from jaxsched.core.config import SchedulerConfig
 from jaxsched.sim.trace import Trace
 
@@ -53,6 +55,65 @@ def needed_capacity(trace: Trace, configs: Sequence[SchedulerConfig]) -> dict:
     }
 
 
+# The most steps `surely_alive` evaluates its sample budget at, times requests: its cost is
+# one pass over the requests per step evaluated.
+_BOUND_WORK = 2 * 10**7
+
+
+def surely_alive(trace: Trace, configs: Sequence[SchedulerConfig]) -> int:
+    """At least this many requests are alive at once, at some step, in every replay of
+    `configs` on `trace`: a replay with fewer slots surely runs out, so it may start above.
+
+    A request holds its slot from its arrival step until it finishes, and it cannot finish
+    before it has sampled its tokens, one a step: min(max_tokens, max_model_len - prompt_len
+    + 1) of them. Nor can every arrived request have finished: a step schedules at most
+    max_num_seqs sequences, each sampling at most one token, and a request takes one
+    scheduled sequence for its prompt and n for each later token. So at step t at least
+    (requests arrived by t) - (the most of them that could have finished by t - 1: those
+    old enough, fewest samples first, within max_num_seqs samples a step) are alive.
+    Requests that some configuration may finish early (ignored: a prompt over a limit, n
+    over max_num_seqs, or a group that may outgrow the device pool) are left out, so the
+    bound holds for each configuration of the grid. Zero without requests.
+    """
+    reqs = trace.requests
+    if not reqs or not configs:
+        return 0
+    col = lambda key: np.array([r[key] for r in reqs], np.int64)   # noqa: E731
+    arrival, prompt, max_tokens, n = col("arrival_step"), col("prompt_len"), col("max_tokens"), col("n")
+    max_model_len = min(c.max_model_len for c in configs)
+    prompt_limit = min(min(c.max_model_len, c.max_num_batched_tokens) for c in configs)
+    pool = min(c.num_device_blocks - c.watermark_blocks for c in configs)
+    max_num_seqs = min(c.max_num_seqs for c in configs)
+    block_size = min(c.block_size for c in configs)
+    tokens = np.maximum(1, np.minimum(max_tokens, max_model_len - prompt + 1))
+    # A group at its longest, every sequence with its own table and a block to grow into.
+    largest = n * (-(-(prompt + max_tokens) // block_size) + 1)
+    kept = (prompt <= prompt_limit) & (n <= max_num_seqs) & (largest < pool)
+    arrival, tokens, n = arrival[kept], tokens[kept], n[kept]
+    if not arrival.size:
+        return 0
+    gone = arrival + tokens                 # the first step at whose start it may have gone
+    # Old enough only (exact, at every step): arrived minus gone, at each step an arrival or
+    # a departure changes it.
+    steps = np.unique(np.concatenate([arrival, gone]))
+    alive = np.searchsorted(np.sort(arrival), steps, "right") - np.searchsorted(np.sort(gone), steps, "right")
+    best = int(alive.max())
+    # The sample budget as well, at arrival steps (where the count can rise), sampled evenly
+    # when there are many: each a valid bound, so fewer of them only weaken the maximum.
+    samples = 1 + n * (tokens - 1)
+    by_samples = np.argsort(samples, kind="stable")
+    samples, gone_s = samples[by_samples], gone[by_samples]
+    arrivals = np.unique(arrival)
+    count = max(1, min(arrivals.size, _BOUND_WORK // arrival.size))
+    first, sorted_arrival = int(arrival.min()), np.sort(arrival)
+    for t in arrivals[np.unique(np.linspace(0, arrivals.size - 1, count).astype(np.int64))]:
+        old = gone_s <= t
+        spent = np.cumsum(np.where(old, samples, 0))
+        could_finish = int(np.count_nonzero(old & (spent <= max_num_seqs * (t - first))))
+        best = max(best, int(np.searchsorted(sorted_arrival, t, "right")) - could_finish)
+    return best
+
+
 def replay_capacity(trace: Trace, configs: Sequence[SchedulerConfig], *, restarts: bool) -> dict:
     """The capacity to replay `trace` under each of `configs`.
 
@@ -60,12 +121,15 @@ def replay_capacity(trace: Trace, configs: Sequence[SchedulerConfig], *, restart
     requests holds any replay (`simulate` starts there, up to its START_SLOTS). A caller
     that restarts with twice the slots when more requests are alive than it has (`sweep`,
     `restarts=True`) starts from a guess instead: a large trace rarely has more than a few
-    times max_num_seqs alive, and every slot costs each step.
+    times max_num_seqs alive, and every slot costs each step; never below what the trace
+    surely needs (`surely_alive`: a burst of arrivals), where a restart would only add a
+    compile.
     """
     cap = needed_capacity(trace, configs)
     cap["max_seqs_per_group"] = pow2(cap["max_seqs_per_group"])
     cap["max_blocks_per_seq"] = bucket(cap["max_blocks_per_seq"])
     cap["num_slots"] = pow2(len(trace.requests))
     if restarts:
-        cap["num_slots"] = min(cap["num_slots"], max(64, 2 * pow2(max(c.max_num_seqs for c in configs))))
+        guess = max(64, 2 * pow2(max(c.max_num_seqs for c in configs)), pow2(surely_alive(trace, configs)))
+        cap["num_slots"] = min(cap["num_slots"], guess)
     return cap

@@ -27,7 +27,7 @@ from jaxsched.core.state import (FINISH_NAMES, FINISHED, IGNORE_REASONS, IGNORED
                                   make_limits)
 from jaxsched.core.xla_options import Options, replay_options
 from jaxsched.sim import executable_store
-from jaxsched.sim.capacity import replay_capacity
+from jaxsched.sim.capacity import pow2, replay_capacity, surely_alive
 from jaxsched.sim.trace import Trace, parse_trace
 
 # Rows of a step's packed record, int32[NUM_ROWS, num_slots].
@@ -156,8 +156,9 @@ def _capacity_for(trace: Trace, overrides: dict | None) -> SchedulerConfig:
 
 
 # A replay's slots hold every request alive at once: as many as the trace has requests, up
-# to this many. A longer trace starts here and restarts with twice as many slots whenever
-# more requests are alive (one more compile each time): every slot costs each step, and a
+# to this many. A longer trace starts here (or at what it surely needs when that is more:
+# `capacity.surely_alive`, a burst) and restarts with twice as many slots whenever more
+# requests are alive (one more compile each time): every slot costs each step, and a
 # long trace rarely has more than a few hundred requests alive. The trace of
 # benchmarks/sweep.py at 4000 requests: 29.1 s at 4096 slots, 11.6 s at 1024 (18.8 and
 # 5.7 s of it the run: benchmarks/results/simulate_slots.md). Up to 1024 requests nothing
@@ -188,7 +189,8 @@ def simulate(config: dict | SchedulerConfig, requests: list[dict], *, step_time:
     cfg = _capacity_for(trace, capacity)
     fixed = capacity is not None and "num_slots" in capacity
     if not fixed:
-        cfg = dataclasses.replace(cfg, num_slots=min(cfg.num_slots, START_SLOTS))
+        least = pow2(surely_alive(trace, [cfg]))      # a burst needs them: no restart to find out
+        cfg = dataclasses.replace(cfg, num_slots=min(cfg.num_slots, max(START_SLOTS, least)))
     arrivals = trace.arrivals_by_step()
     burst = max((len(v) for v in arrivals.values()), default=1)
     if arrival_width is None:

@@ -60,9 +60,11 @@ configurations no run made answers for; a run of a later wave resumes from the s
 run made before, at the last chunk boundary up to which that run's decisions are its own
 (`sweep_chunk` takes a first step per run), so it steps only the rest.
 
-Request slots are a static size too. A sweep starts with a modest number of slots and, if
-some run ever has more requests alive than slots, doubles them and starts over (one more
-compile); results never depend on the slot count, only the speed does. With half slots a
+Request slots are a static size too. A sweep starts with a modest number of slots (2 x
+max_num_seqs, or what the trace surely needs when that is more: `capacity.surely_alive`,
+a burst of arrivals) and, if some run ever has more requests alive than slots, doubles
+them and starts over (one more compile); results never depend on the slot count, only
+the speed does. With half slots a
 run steps at half of them while that surely holds it (sim/sweep_slots.py; `half_slots`: by
 default from HALF_SLOTS_FROM configurations, or once their chunk is compiled).
 """
@@ -248,7 +250,8 @@ def sweep_capacity(trace: Trace, configs: list[SchedulerConfig], capacity: dict 
                               f"{least['max_blocks_per_seq']} blocks, above the static capacity",
         "num_slots": "capacity needs a positive",
     }
-    # num_slots is a guess: more alive requests than slots restarts the sweep with twice as many.
+    # num_slots is a guess (at least what the trace surely needs): more alive requests than
+    # slots restarts the sweep with twice as many.
     cap = replay_capacity(trace, configs, restarts=True)
     # Pools rounded up to powers of two, so grids of nearby sizes share one compiled chunk
     # (in this process and in the persistent cache); a run never hands out blocks past its own.
@@ -1049,7 +1052,8 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
     shards' blocks), workers (worker processes used, 0 for threads), vmap_group,
     shard_sizes (runs per block: MAP_BLOCK on the map path; vmapped, runs per shard,
     shrinking as runs drain),
-    stepped_run_steps (run-steps computed, padding included), num_slots, prune (did it run
+    stepped_run_steps (run-steps computed, padding included), num_slots (the last start's),
+    restarts (starts over with twice the slots: some run had more requests alive), prune (did it run
     in waves), waves (1 to 3), pruned (configurations answered for without a run of their
     own), resumed (runs started from another run's state) and skipped_steps (the steps
     those runs did not make), live_run_steps (run-steps made, K per run per chunk it
@@ -1112,7 +1116,8 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
         first = sweep_prune.first_wave(configs)
         if prune is None and not sweep_prune.worth_it(configs, first):
             first = None
-    info = {"compile_s": 0.0, "trace_s": 0.0, "lower_s": 0.0, "xla_s": 0.0, "compiles": 0, "runs": len(configs),
+    info = {"compile_s": 0.0, "trace_s": 0.0, "lower_s": 0.0, "xla_s": 0.0, "compiles": 0, "restarts": 0,
+            "runs": len(configs),
             "path": "vmap" if vmap_runs > 1 else "map", "vmap_skips": bool(vmap_skips)}
     t0 = time.perf_counter()
     try:
@@ -1143,7 +1148,7 @@ def _sweep_caching(trace: dict, spec, stats: dict | None, axes: dict, kwargs: di
         rows += [dict(r, enable_prefix_caching=on) for r in sweep(cfg, stats=part, **kwargs, **axes)]
         for k, v in part.items():
             summed = k in ("wall_s", "compile_s", "trace_s", "lower_s", "xla_s", "save_s", "load_s", "run_s",
-                           "compiles", "loaded", "runs", "run_steps", "stepped_run_steps", "pruned")
+                           "compiles", "restarts", "loaded", "runs", "run_steps", "stepped_run_steps", "pruned")
             total[k] = total.get(k, 0) + v if summed else v
     if stats is not None:
         stats.update(total)
@@ -1159,6 +1164,7 @@ def _sweep_replay(parsed, configs, cap, capacity, vmap_runs, progress, threads, 
             raise SweepError(f"sweep: some run has more than num_slots={cap['num_slots']} requests "
                              f"alive at once; raise the capacity's num_slots")
         cap["num_slots"] *= 2
+        info["restarts"] += 1
         if progress:
             print(f"sweep: more requests alive than {cap['num_slots'] // 2} slots; restarting with "
                   f"{cap['num_slots']} (one more compile; capacity num_slots skips this)", file=sys.stderr)
