@@ -20,11 +20,13 @@ def peak_alive(trace: dict) -> int:
     return max(sum(a <= t <= f for a, f in spans) for t in range(max(f for _, f in spans) + 1))
 
 
-@settings(max_examples=120, **SETTINGS)
-@given(st.booleans().flatmap(lambda chunked: traces(chunked=chunked)))
-def test_surely_alive__never_above_what_a_replay_has_alive(trace):
+@settings(max_examples=150, **SETTINGS)
+@given(st.booleans().flatmap(lambda chunked: traces(chunked=chunked)), st.booleans())
+def test_surely_alive__never_above_what_a_replay_has_alive(trace, caching):
     """A lower bound: vLLM's own replay has at least that many requests alive at some step,
-    in tiny pools, with forks, ignored prompts, preemption and chunked prefill."""
+    in tiny pools, with forks, ignored prompts, preemption, chunked prefill and prefix
+    caching (the prompts 0 .. prompt_len - 1 share their prefixes)."""
+    trace = dict(trace, config=dict(trace["config"], enable_prefix_caching=caching))
     parsed = parse_trace(trace)
     assert surely_alive(parsed, [parsed.scheduler_config]) <= peak_alive(trace)
 
