@@ -60,10 +60,10 @@ def vmapped():
     return rows, stats
 
 
-def expected_row(row: dict, keys=tuple(GRID), trace=TRACE) -> dict:
+def expected_row(row: dict, keys=tuple(GRID), trace=TRACE, capacity=CAPACITY) -> dict:
     """What `simulate` says about the row's configuration (its `keys`), in the sweep's terms."""
     config = dict(trace["config"], **{k: row[k] for k in keys})
-    result = simulate(config, trace["requests"], capacity=CAPACITY)
+    result = simulate(config, trace["requests"], capacity=capacity)
     summary = summarize(result, config)
     arrival = {r["id"]: r["arrival_step"] for r in trace["requests"]}
     latency = [v["finish_step"] - arrival[k] for k, v in result["requests"].items()
@@ -73,7 +73,8 @@ def expected_row(row: dict, keys=tuple(GRID), trace=TRACE) -> dict:
     return dict(steps=summary["steps"], preempted_recompute=summary["preempted_recompute"],
                 preempted_swap=summary["preempted_swap"], num_preemptions=result["num_preemptions"],
                 swapped_in=summary["swapped_in"], ignored=summary["ignored"],
-                latency_mean=float(np.mean(latency)), latency_p99=float(np.percentile(latency, 99)),
+                latency_mean=float(np.mean(latency)) if latency else None,
+                latency_p99=float(np.percentile(latency, 99)) if latency else None,
                 peak_device_blocks_used=summary["peak_device_blocks_used"],
                 peak_host_blocks_used=summary["peak_host_blocks_used"],
                 # A step that swaps out swaps nothing in: host growth is the blocks swapped out.
@@ -309,14 +310,23 @@ def test_sweep__half_slots_move_runs_between_slot_counts_with_the_same_rows(vmap
         seen[workers] = {k: stats[k] for k in ("half_slot_run_steps", "moved_up", "moved_down", "live_run_steps")}
     # Worker processes hold both slot counts' carries and move runs between them as threads do.
     assert seen[True] == seen[False]
-    # From 16 slots the sweep restarts at 32: the counts are the last attempt's alone.
+    # From 16 slots, with every request alive in a slot (no window), the sweep restarts at
+    # 32: the counts are the last attempt's alone.
     monkeypatch.setattr(sw, "sweep_capacity", lambda *a, **k: dict(CAPACITY, num_slots=16))
+    monkeypatch.setattr(sw, "WINDOW", False)
     doubled = {}
     assert sweep(TRACE, **GRID, vmap_runs=1, threads=2, progress=False, prune=True, half_slots=True,
                  stats=doubled) == rows
-    assert doubled["num_slots"] == 32
+    assert (doubled["num_slots"], doubled["restarts"], doubled["window"]) == (32, 1, False)
     counts = ("half_slot_run_steps", "live_run_steps", "moved_up", "moved_down", "stepped_run_steps")
     assert {k: doubled[k] for k in counts} == {k: stats[k] for k in counts}
+    # With the window it restarts at 16 slots (8 at half), the arrivals past them waiting
+    # outside the slots: the same rows.
+    monkeypatch.setattr(sw, "WINDOW", True)
+    windowed = {}
+    assert sweep(TRACE, **GRID, vmap_runs=1, threads=2, progress=False, prune=True, half_slots=True,
+                 stats=windowed) == rows
+    assert (windowed["num_slots"], windowed["restarts"], windowed["window"]) == (16, 1, True)
     with pytest.raises(SweepError, match="half_slots must be True, False or None"):
         sweep(TRACE, **GRID, capacity=CAPACITY, half_slots="yes", progress=False)
     with pytest.raises(SweepError, match="half_slots=True needs the map path"):
@@ -535,7 +545,12 @@ def test_sweep__more_requests_alive_than_slots_doubles_them_or_says_so(monkeypat
             np.zeros((len(configs), 4, len(trace.requests)), np.int32)
     monkeypatch.setattr(sweep_module, "_replay", replay)
     sweep(TRACE, max_num_seqs=[4], progress=False)
-    assert calls == [32, 64]                  # min(pow2(24 requests), ...), then doubled
+    # min(pow2(24 requests), ...), then the same with arrivals past the slots waiting outside
+    # them (the window), then doubled.
+    assert calls == [32, 32, 64]
+    with pytest.raises(SweepError, match="more than num_slots=16 requests in its slots at once"):
+        sweep(TRACE, capacity=dict(num_slots=16), progress=False)
+    monkeypatch.setattr(sweep_module, "WINDOW", False)
     with pytest.raises(SweepError, match="more than num_slots=16 requests alive at once"):
         sweep(TRACE, capacity=dict(num_slots=16), progress=False)
 
@@ -577,32 +592,87 @@ def test_cli_sweep__bad_spec_is_one_error_line(tmp_path, capsys):
 
 
 def test_sweep__slot_doublings_restart_with_the_same_rows(vmapped, monkeypatch):
-    """Starting from 8 slots, the vmapped sweep restarts with more; rows are unchanged."""
-    import importlib
-    sweep_module = importlib.import_module("jaxsched.sim.sweep")
+    """Starting from 8 slots, the vmapped sweep restarts with more (every request alive in a
+    slot), or with the arrivals past the slots waiting outside them (the window, under
+    vmap too); rows are unchanged."""
     rows, _ = vmapped
-    monkeypatch.setattr(sweep_module, "sweep_capacity", lambda *a, **k: dict(CAPACITY, num_slots=8))
-    stats = {}
-    doubled = sweep(TRACE, **GRID, vmap_runs=16, threads=2, progress=False, stats=stats)
-    assert stats["num_slots"] > 8 and stats["num_slots"] == 8 << stats["restarts"]
-    assert [{k: r[k] for k in (*GRID, *METRICS)} for r in doubled] == \
-        [{k: r[k] for k in (*GRID, *METRICS)} for r in rows]
+    monkeypatch.setattr(sw, "sweep_capacity", lambda *a, **k: dict(CAPACITY, num_slots=8))
+    for window in (False, True):
+        monkeypatch.setattr(sw, "WINDOW", window)
+        stats = {}
+        again = sweep(TRACE, **GRID, vmap_runs=16, threads=2, progress=False, stats=stats)
+        assert stats["window"] == window and stats["restarts"] >= 1
+        if not window:
+            assert stats["num_slots"] > 8 and stats["num_slots"] == 8 << stats["restarts"]
+        assert [{k: r[k] for k in (*GRID, *METRICS)} for r in again] == \
+            [{k: r[k] for k in (*GRID, *METRICS)} for r in rows]
 
 
-def test_sweep__a_burst_starts_with_the_slots_it_surely_needs(monkeypatch, capsys):
-    """100 requests arriving at once are all alive in the first step: the sweep starts with
-    128 slots (`capacity.surely_alive`), not its guess of 64 (2 x max_num_seqs, at least 64)
-    and a restart at 128 with one more compile. Rows equal `simulate`'s."""
+def test_sweep__a_burst_waits_outside_the_slots_from_the_start(monkeypatch, capsys):
+    """100 requests arriving at once are all alive in the first step (`capacity.surely_alive`),
+    more than the grid's usual 64 slots (2 x max_num_seqs, at least 64): the sweep keeps
+    64 and lets the arrivals past them wait outside the slots, behind the waiting queue
+    (`_step`'s window), from the start: no restart, one compile. With a request that
+    max_num_seqs 1 ignores on arrival (SPEC B6), which must finish at its arrival step, it
+    starts with slots for all instead (128). Rows equal `simulate`'s."""
     monkeypatch.setattr(sw, "_EXECUTABLES", {})
-    burst = dict(config=dict(block_size=16, num_device_blocks=64, num_host_blocks=16, max_num_seqs=8),
-                 requests=[dict(id=f"b{i}", prompt_len=8 + i % 24, max_tokens=1 + i % 7) for i in range(100)])
-    stats = {}
-    rows = sweep(burst, max_num_seqs=[4, 8], threads=1, progress=True, stats=stats)
-    assert (stats["num_slots"], stats["restarts"], stats["compiles"]) == (128, 0, 2), stats   # chunk, first batch
-    assert "restarting" not in capsys.readouterr().err
-    for row in rows:
-        result = simulate(dict(burst["config"], max_num_seqs=row["max_num_seqs"]), burst["requests"])
-        assert (row["steps"], row["num_preemptions"]) == (summarize(result)["steps"], result["num_preemptions"])
+    burst = dict(config=dict(block_size=8, num_device_blocks=12, num_host_blocks=16, max_num_seqs=8),
+                 requests=[dict(id=f"b{i}", arrival_step=0, prompt_len=8 + i % 24, max_tokens=1 + i % 13)
+                           for i in range(100)])
+    for grid, n, want in (([4, 8], 1, (64, 0, True, 2)), ([1, 8], 2, (128, 0, False, 2))):
+        trace = dict(burst, requests=[dict(r, n=n if i == 50 else 1) for i, r in enumerate(burst["requests"])])
+        stats = {}
+        rows = sweep(trace, max_num_seqs=grid, preemption_mode=["recompute", "swap"], threads=1,
+                     progress=True, stats=stats)
+        assert tuple(stats[k] for k in ("num_slots", "restarts", "window", "compiles")) == want, stats
+        assert "restarting" not in capsys.readouterr().err
+        assert sum(r["preempted_recompute"] + r["preempted_swap"] for r in rows) > 0
+        for row in rows:
+            want_row = expected_row(row, keys=("max_num_seqs", "preemption_mode"), trace=trace, capacity=None)
+            assert {k: row[k] for k in want_row if k != "host_blocks_returned"} == \
+                {k: v for k, v in want_row.items() if k != "host_blocks_returned"}, row
+
+
+def test_sweep__the_window_restarts_with_more_slots_when_the_walk_may_reach_past_them(monkeypatch):
+    """Random workloads (test_differential's: tiny pools, forks, ignored prompts, chunked
+    prefill, preemption by either mode; prefix caching on or off, the prompts 0 ..
+    prompt_len - 1 sharing their prefixes), swept with arrivals past 4 slots waiting outside
+    them: a step whose admission walk took every waiting request in a slot may have reached
+    past them, so the sweep restarts with twice the slots until none does. Every row equals
+    `simulate`'s."""
+    from hypothesis import assume, given, settings
+    from hypothesis import strategies as st
+    from test_differential import SETTINGS, traces
+    from jaxsched.sim.capacity import replay_capacity
+
+    # The traces' bounds (test_differential): one compiled shape for every example.
+    shared = dict(num_slots=32, max_seqs_per_group=4, max_blocks_per_seq=33, num_device_blocks_capacity=64,
+                  num_host_blocks_capacity=128)
+
+    def tight(trace, configs, *, restarts, backlog=False):
+        """4 slots with the window (else all)."""
+        return dict(replay_capacity(trace, configs, restarts=restarts, backlog=backlog),
+                    **dict(shared, num_slots=4 if backlog else 32))
+    monkeypatch.setattr(sw, "replay_capacity", tight)
+    monkeypatch.setattr(sw, "bucket", lambda x: 32)
+    seen = []
+
+    @settings(max_examples=80, **SETTINGS)
+    @given(st.booleans().flatmap(lambda chunked: traces(chunked=chunked)), st.booleans())
+    def check(trace, caching):
+        # Not where a request is ignored on arrival (n above max_num_seqs): all slots then
+        # (the burst test above).
+        assume(all(r["n"] <= trace["config"]["max_num_seqs"] for r in trace["requests"]))
+        trace = dict(trace, config=dict(trace["config"], enable_prefix_caching=caching))
+        stats = {}
+        [row] = sweep(trace, threads=1, progress=False, stats=stats)
+        assert stats["window"]
+        seen.append(stats["num_slots"])
+        want = expected_row(row, keys=(), trace=trace, capacity=shared)
+        assert {k: row[k] for k in want if k != "host_blocks_returned"} == \
+            {k: v for k, v in want.items() if k != "host_blocks_returned"}, (row, want)
+    check()
+    assert min(seen) == 4 and max(seen) > 4         # some fit 4 slots, some needed more
 
 
 def test_sweep__prefix_caching_is_an_axis_and_every_run_equals_simulate():
@@ -671,7 +741,7 @@ def test_sweep_chunk__the_map_path_traces_once_for_every_grid_size_thread_count_
     3, 2 and 1 threads, pruned or not, and a trace of another size, all call the one
     compiled chunk (a second trace would raise)."""
     guarded = jax.jit(chex.assert_max_traces(sw.sweep_chunk.__wrapped__, n=1),
-                      static_argnames=("cap", "width", "vmap_runs", "skips"), donate_argnums=(0,))
+                      static_argnames=("cap", "width", "vmap_runs", "skips", "window"), donate_argnums=(0,))
     monkeypatch.setattr(sw, "sweep_chunk", guarded)
     monkeypatch.setattr(sw, "_EXECUTABLES", {})
     other = generate_trace(21, rate=0.6, prompt=LogNormal(4.2, 0.5), output=LogNormal(2.8, 0.7),

@@ -114,7 +114,8 @@ def surely_alive(trace: Trace, configs: Sequence[SchedulerConfig]) -> int:
     return best
 
 
-def replay_capacity(trace: Trace, configs: Sequence[SchedulerConfig], *, restarts: bool) -> dict:
+def replay_capacity(trace: Trace, configs: Sequence[SchedulerConfig], *, restarts: bool,
+                    backlog: bool = False) -> dict:
     """The capacity to replay `trace` under each of `configs`.
 
     Every request may be alive at once, so a power of two of slots at least the number of
@@ -123,13 +124,16 @@ def replay_capacity(trace: Trace, configs: Sequence[SchedulerConfig], *, restart
     `restarts=True`) starts from a guess instead: a large trace rarely has more than a few
     times max_num_seqs alive, and every slot costs each step; never below what the trace
     surely needs (`surely_alive`: a burst of arrivals), where a restart would only add a
-    compile.
+    compile. With `backlog` (the caller keeps arrivals past its slots outside them, as
+    `sweep`'s window does), only the guess.
     """
     cap = needed_capacity(trace, configs)
     cap["max_seqs_per_group"] = pow2(cap["max_seqs_per_group"])
     cap["max_blocks_per_seq"] = bucket(cap["max_blocks_per_seq"])
     cap["num_slots"] = pow2(len(trace.requests))
     if restarts:
-        guess = max(64, 2 * pow2(max(c.max_num_seqs for c in configs)), pow2(surely_alive(trace, configs)))
+        guess = max(64, 2 * pow2(max(c.max_num_seqs for c in configs)))
+        if not backlog:
+            guess = max(guess, pow2(surely_alive(trace, configs)))
         cap["num_slots"] = min(cap["num_slots"], guess)
     return cap

@@ -23,7 +23,7 @@ from jaxsched.core import batching
 from jaxsched.core.requests import (RequestBatch, add_requests, free_finished, free_finished_impl,
                                     update, update_impl)
 from jaxsched.core.scheduler import schedule_impl, schedule_step
-from jaxsched.core.state import (FINISH_NAMES, FINISHED, IGNORE_REASONS, IGNORED, empty_state, is_live,
+from jaxsched.core.state import (FINISH_NAMES, FINISHED, IGNORE_REASONS, IGNORED, WAITING, empty_state, is_live,
                                   make_limits)
 from jaxsched.core.xla_options import Options, replay_options
 from jaxsched.sim import executable_store
@@ -37,7 +37,8 @@ NUM_ROWS = 11
 CHUNK_STEPS = 64
 
 
-def replay_step(state, batch: RequestBatch, now, cap: Capacity, record, check: bool = False):
+def replay_step(state, batch: RequestBatch, now, cap: Capacity, record, check: bool = False,
+                backlog=None):
     """The one model-free replay step, shared by `simulate` and `sweep`.
 
     add_requests, schedule, update (one token per running sequence, never EOS), then
@@ -46,18 +47,33 @@ def replay_step(state, batch: RequestBatch, now, cap: Capacity, record, check: b
     request arriving found no free slot (dropped: the replay needs more slots). With
     `check`, the invariants are evaluated after `schedule` and after `update`. Returns
     (state, record, flags).
+
+    `backlog` (int32, or None): the requests arrived and not yet in a slot, `batch`'s valid
+    rows (the oldest of them) included. Those left out of the slots wait behind the waiting
+    queue, where the admission walk reaches them only after every waiting request in a slot:
+    `overflow` then says the walk may have reached them (no request waiting in a slot before
+    `schedule` still waits after it), so the step may differ from vLLM's. Else every row
+    must find a slot.
     """
     # Traced for a batch of runs (`batching.runs_axis`, a sweep), the transitions are traced
     # inline, so that their skips are decided once for the batch.
     inline = batching.current_axis() is not None
     state, slots = add_requests(state, batch)
+    unplaced = batch.valid & (slots >= state.status.shape[-1])
+    if backlog is None:
+        overflow = unplaced.any()
+    else:
+        left = backlog - (batch.valid & ~unplaced).sum(dtype=jnp.int32)
+        waiting = state.status == WAITING
     state, out = (schedule_impl if inline else schedule_step)(state, cap, now)
     flags = invariant_violations(state, out) if check else jnp.zeros((len(CHECKS),), bool)
     state, _, _ = (update_impl if inline else update)(state, out.scheduled, out.num_scheduled_tokens,
                                                       out.is_prefill)
     if check:
         flags = flags | invariant_violations(state)
-    kept = record(state, out, (batch.valid & (slots >= state.status.shape[-1])).any())
+    if backlog is not None:
+        overflow = (left > 0) & ~(waiting & (state.status == WAITING)).any()
+    kept = record(state, out, overflow)
     state, _ = (free_finished_impl if inline else free_finished)(state)
     return state, kept, flags
 

@@ -61,10 +61,15 @@ run made before, at the last chunk boundary up to which that run's decisions are
 (`sweep_chunk` takes a first step per run), so it steps only the rest.
 
 Request slots are a static size too. A sweep starts with a modest number of slots (2 x
-max_num_seqs, or what the trace surely needs when that is more: `capacity.surely_alive`,
-a burst of arrivals) and, if some run ever has more requests alive than slots, doubles
-them and starts over (one more compile); results never depend on the slot count, only
-the speed does. With half slots a
+max_num_seqs, at least 64). Requests arriving while they are full wait outside them, behind
+the waiting queue (`_step`'s window): the admission walk reaches them only after every
+waiting request in a slot, so a step whose walk took all of those may have reached past
+them, and voids the run. The window is on from the start for a trace that surely has more
+requests alive than the slots (`capacity.surely_alive`: a burst), else after a first
+overflow; where some request is ignored on arrival (SPEC B6: n above max_num_seqs, which
+must finish at its arrival step), every request alive gets a slot instead, from what the
+trace surely needs. A run that needs more slots restarts the sweep with twice as many (one
+more compile); results never depend on the slot count, only the speed does. With half slots a
 run steps at half of them while that surely holds it (sim/sweep_slots.py; `half_slots`: by
 default from HALF_SLOTS_FROM configurations, or once their chunk is compiled).
 """
@@ -234,8 +239,10 @@ def make_grid(base: SchedulerConfig, axes: dict) -> tuple[list[dict], list[Sched
     return points, configs
 
 
-def sweep_capacity(trace: Trace, configs: list[SchedulerConfig], capacity: dict | None = None) -> dict:
+def sweep_capacity(trace: Trace, configs: list[SchedulerConfig], capacity: dict | None = None,
+                   window: bool = False) -> dict:
     """Static sizes for a grid (SchedulerConfig capacity fields); explicit ones must hold it.
+    With `window`, the slots need not hold a backlog of arrived requests (`_step`).
 
     Pass the same dict to `simulate(..., capacity=...)` to share its compiled step.
     """
@@ -252,7 +259,7 @@ def sweep_capacity(trace: Trace, configs: list[SchedulerConfig], capacity: dict 
     }
     # num_slots is a guess (at least what the trace surely needs): more alive requests than
     # slots restarts the sweep with twice as many.
-    cap = replay_capacity(trace, configs, restarts=True)
+    cap = replay_capacity(trace, configs, restarts=True, backlog=window)
     # Pools rounded up to powers of two, so grids of nearby sizes share one compiled chunk
     # (in this process and in the persistent cache); a run never hands out blocks past its own.
     for key in ("num_device_blocks_capacity", "num_host_blocks_capacity"):
@@ -268,14 +275,15 @@ def sweep_capacity(trace: Trace, configs: list[SchedulerConfig], capacity: dict 
 
 # ----------------------------------------------------------------------------- the device loop
 
-def _batch_at(cols: jax.Array, arrival_time: jax.Array, tokens: jax.Array, t: jax.Array,
-              width: int) -> RequestBatch:
-    """The requests arriving at step t: rows of `cols` (sorted by arrival step), padded to width;
-    with prefix caching `tokens` (int32[N, M * block_size], else [N, 0]) are their prompts."""
+def _batch_at(cols: jax.Array, arrival_time: jax.Array, tokens: jax.Array, first: jax.Array,
+              upto: jax.Array, width: int) -> RequestBatch:
+    """Rows first .. upto - 1 of `cols` (sorted by arrival step; at most `width` of them),
+    padded to width; with prefix caching `tokens` (int32[N, M * block_size], else [N, 0])
+    are their prompts."""
     n = cols.shape[1]
-    idx = jnp.searchsorted(cols[0], t, side="left") + jnp.arange(width, dtype=jnp.int32)
+    idx = first + jnp.arange(width, dtype=jnp.int32)
     safe = jnp.minimum(idx, n - 1)
-    valid = (idx < n) & (cols[0, safe] == t)
+    valid = idx < jnp.minimum(upto, n)
     take = lambda row: jnp.where(valid, cols[row, safe], 0)
     prompts = jnp.where(valid[:, None], tokens[safe], 0) if tokens.shape[1] else None
     return RequestBatch(valid=valid, request_index=take(1), prompt_len=take(2), n=take(3),
@@ -301,14 +309,31 @@ def _run_record(state, out, overflow):
     return record, finished, state.request_index, state.finish_reason, output_len
 
 
-def _step(carry, x, cols, arrival_time, tokens, cap, width):
-    """One replay step of one run (simulate's `replay_step`) and its int32[NUM_COLS] record."""
+def _step(carry, x, cols, arrival_time, tokens, cap, width, window, padding):
+    """One replay step of one run (simulate's `replay_step`) and its int32[NUM_COLS] record.
+
+    Without `window`, the requests arriving at step t go into slots; one that finds none
+    voids the run (`overflow` in the record: more slots). With it, arrived requests go into
+    free slots oldest first, up to `width` a step, and the rest wait outside them, behind
+    the waiting queue (`replay_step`'s backlog): the slots need not hold a backlog the
+    admission walk never reaches, and a step whose walk may have reached it voids the run.
+    `padding`: the trace's padding requests (finished from the start, never slotted)."""
     # per_request: int32[4, N] finish step, reason, first-token step, output tokens at finish
     state, per_request = carry
     t, now = x
-    batch = _batch_at(cols, arrival_time, tokens, t, width)
-    # A request that found no free slot (`overflow` in the record) voids the run: more slots.
-    state, (record, finished, index, reason, output_len), _ = replay_step(state, batch, now, cap, _run_record)
+    arrived = jnp.searchsorted(cols[0], t, side="right").astype(jnp.int32)
+    if window:
+        # Requests go into slots in arrival order, so those given one so far are the first
+        # (finished ones: those with a finish step, less the padding) + (those in a slot).
+        slotted = ((per_request[0] >= 0).sum(dtype=jnp.int32) - padding
+                   + (state.status != EMPTY).sum(dtype=jnp.int32))
+        batch = _batch_at(cols, arrival_time, tokens, slotted, arrived, width)
+        backlog = arrived - slotted
+    else:
+        batch = _batch_at(cols, arrival_time, tokens, jnp.searchsorted(cols[0], t, side="left"), arrived, width)
+        backlog = None
+    state, (record, finished, index, reason, output_len), _ = replay_step(state, batch, now, cap, _run_record,
+                                                                          backlog=backlog)
     n = cols.shape[1]
     at = jnp.where(finished, index, n)
     per_request = per_request.at[0, at].set(t, mode="drop")
@@ -331,6 +356,10 @@ MAP_BLOCK = 8
 # 1024 configurations a cold start is about even with it (fresh processes: 24.0 against
 # 22.8 s) and one with both chunks cached faster (13.1 against 18.1 s), and it is kept.
 HALF_SLOTS_FROM = 1024
+# Arrivals past the slots may wait outside them (`_step`'s window); False gives every
+# request alive a slot, restarting with twice as many until they fit (the sweep before the
+# window: benchmarks/slot_bound.py compares the two).
+WINDOW = True
 # Compiled programs of a sweep (`_compiled`): (function, static arguments, argument shapes,
 # XLA options) -> executable: the chunk step per batch shape, and `first_batch`.
 _EXECUTABLES: dict = {}
@@ -338,8 +367,8 @@ _EXECUTABLES: dict = {}
 _SERIALIZED: dict = {}
 
 
-@functools.partial(jax.jit, static_argnames=("cap", "width", "vmap_runs", "skips"), donate_argnums=(0,))
-def sweep_chunk(carry, cols, arrival_time, tokens, start, times, cap, width, vmap_runs, skips=True):
+@functools.partial(jax.jit, static_argnames=("cap", "width", "vmap_runs", "skips", "window"), donate_argnums=(0,))
+def sweep_chunk(carry, cols, arrival_time, tokens, start, times, cap, width, vmap_runs, skips=True, window=False):
     """Steps start[r] .. start[r]+K-1 of every run r of the batch (K = times.shape[1]).
 
     `carry` is (state, per_request) with a leading run axis; returns it and the records
@@ -351,14 +380,16 @@ def sweep_chunk(carry, cols, arrival_time, tokens, start, times, cap, width, vma
     of `vmap_runs` runs (a `lax.map` over the groups when that is fewer than all), traced
     under `batching.runs_axis`: every skip is decided once for the group, so the work is
     done when some run of the group needs it; with `skips` False, never skipped (masks
-    only: `batching.runs_axis`).
+    only: `batching.runs_axis`). `window`: `_step`'s.
     """
     k = times.shape[1]
     runs = carry[1].shape[0]
+    padding = (cols[0] == np.iinfo(np.int32).max).sum(dtype=jnp.int32)
 
     def chunk(c, first, when):
         steps = first + jnp.arange(k, dtype=jnp.int32)
-        return lax.scan(lambda c, x: _step(c, x, cols, arrival_time, tokens, cap, width), c, (steps, when))
+        return lax.scan(lambda c, x: _step(c, x, cols, arrival_time, tokens, cap, width, window, padding), c,
+                        (steps, when))
 
     # Records of a drained run are not read past its end: skipping its chunk changes nothing.
     drained = lambda c: (c[1][..., 0, :] >= 0).all(-1)                      # noqa: E731
@@ -398,29 +429,30 @@ def sweep_chunk(carry, cols, arrival_time, tokens, start, times, cap, width, vma
     return repack(jax.tree.map(flat, groups), flat(rec))
 
 
-def _chunk_static(cap, width, vmap_runs, skips, compiler_options) -> tuple[dict, dict | None]:
+def _chunk_static(cap, width, vmap_runs, skips, compiler_options, window=False) -> tuple[dict, dict | None]:
     """`sweep_chunk`'s static arguments and XLA options (by default the replays':
     core/xla_options.py). One run per group is the map path, whose skips are each run's
     own: one executable."""
     if compiler_options is None:
         compiler_options = dict(replay_options()) or None
-    return dict(cap=cap, width=width, vmap_runs=vmap_runs, skips=skips or vmap_runs == 1), compiler_options
+    return (dict(cap=cap, width=width, vmap_runs=vmap_runs, skips=skips or vmap_runs == 1, window=window),
+            compiler_options)
 
 
-def _executable(args, cap, width, vmap_runs, stats, compiler_options=None, skips=True):
+def _executable(args, cap, width, vmap_runs, stats, compiler_options=None, skips=True, window=False):
     """The compiled `sweep_chunk` for these shapes (compiled once per process, and kept in
     `executable_store` while JAX's persistent cache is on; the time of a compile goes to
     stats['compile_s'], split into trace_s, lower_s, xla_s and save_s, or load_s for a stored
     one).
     `compiler_options` are XLA's for this executable (benchmarks/sweep_compile.py)."""
-    static, options = _chunk_static(cap, width, vmap_runs, skips, compiler_options)
+    static, options = _chunk_static(cap, width, vmap_runs, skips, compiler_options, window)
     return _compiled(sweep_chunk, args, static, stats, options, store=True)
 
 
-def _chunk_ready(args, cap, width) -> bool:
+def _chunk_ready(args, cap, width, window=False) -> bool:
     """Is the map path's chunk for these shapes (or jax.ShapeDtypeStructs) compiled in this
     process already, or kept in `executable_store`: free to use?"""
-    static, options = _chunk_static(cap, width, 1, True, None)
+    static, options = _chunk_static(cap, width, 1, True, None, window)
     return (_key(sweep_chunk, args, static, options) in _EXECUTABLES
             or executable_store.stored(sweep_chunk.__name__, static, args, options))
 
@@ -560,7 +592,7 @@ def _limit_columns(dims: tuple) -> dict[int, np.ndarray]:
 def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: int, progress: bool,
             threads: int = 1, stats: dict | None = None, skips: bool = True, batch: int | None = None,
             label: str = "sweep", starts: dict | None = None, watch=None, work=None, workers: bool = False,
-            half_slots: bool | None = False):
+            half_slots: bool | None = False, window: bool = False):
     """Run every config to the end; (records [runs, T, NUM_COLS], per_request [runs, 4, N]) or
     None when some run had more requests alive than slots. `batch` (at least the runs):
     the batch is shaped as for that many runs, the rest padding (so a wave of a pruned
@@ -622,6 +654,10 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
         tokens[row] = trace.prompt_token_ids(int(i), tok_width)
     tokens = jax.device_put(tokens)
     width = pow2(max(8, np.bincount(steps).max()))
+    if window:
+        # Arrived requests fill the free slots, up to `width` a step: a burst at most all of
+        # them, and a restart with twice the slots takes twice as many a step.
+        width = min(cap["num_slots"], max(width, cap["num_slots"] // 8))
     K = CHUNK_STEPS
     if half_slots is None:          # by measurement (sweep's docstring)
         half_slots = group == 1 and cap["num_slots"] >= 2 and jax.default_backend() == "cpu"
@@ -630,7 +666,7 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
             shapes = jax.eval_shape(functools.partial(first_batch, capacity=small),
                                     jax.tree.map(lambda x: x[:size], limits), per_request[:size], *seed)
             half_slots = _chunk_ready((shapes, cols, arrival_time, tokens, jax.ShapeDtypeStruct((size,), np.int32),
-                                       jax.ShapeDtypeStruct((size, K), np.float32)), small, width)
+                                       jax.ShapeDtypeStruct((size, K), np.float32)), small, width, window)
     # Half the slots for the runs they surely hold (sweep_slots: `half_slots`), on the map
     # path on the CPU (host threads, or worker processes, which hold both carries of their
     # blocks and move runs between them on request). A run that starts from another's state
@@ -733,11 +769,12 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
             exe = exe_small = None
             if remote is not None or (live & ~small_at).any():
                 exe = _executable((carries[0] if carries is not None else held, cols, arrival_time, tokens,
-                                   first[:size], times[:size]), capacity, width, group, stats, skips=skips)
+                                   first[:size], times[:size]), capacity, width, group, stats, skips=skips,
+                                  window=window)
             if half and (remote is not None or (live & small_at).any()):
                 exe_small = _executable((smalls[0] if smalls is not None else held_small, cols, arrival_time,
                                          tokens, first[:size], times[:size]), small_cap, width, group, stats,
-                                        skips=skips)
+                                        skips=skips, window=window)
             count = live.reshape(blocks, size).sum(1)      # live runs per block
             if remote is not None:
                 if carries is not None:     # from here on the workers hold the carries
@@ -1053,7 +1090,8 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
     shard_sizes (runs per block: MAP_BLOCK on the map path; vmapped, runs per shard,
     shrinking as runs drain),
     stepped_run_steps (run-steps computed, padding included), num_slots (the last start's),
-    restarts (starts over with twice the slots: some run had more requests alive), prune (did it run
+    restarts (starts over: some run needed more slots), window (did arrivals past the slots
+    wait outside them: `_step`), prune (did it run
     in waves), waves (1 to 3), pruned (configurations answered for without a run of their
     own), resumed (runs started from another run's state) and skipped_steps (the steps
     those runs did not make), live_run_steps (run-steps made, K per run per chunk it
@@ -1085,6 +1123,16 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
     if memory_axes:
         points, configs = memory_grid(points, configs, memory_axes, memory)
     cap = sweep_capacity(parsed, configs, capacity)
+    # Arrivals past the slots wait outside them (`_step`'s window) where no request is
+    # ignored on arrival (SPEC B6: n above max_num_seqs; such a request must finish at its
+    # arrival step), from the start for a trace that surely has more requests alive than a
+    # grid's usual slots (a burst), else after the first overflow.
+    window_ok = WINDOW and max(r["n"] for r in parsed.requests) <= min(c.max_num_seqs for c in configs)
+    window = False
+    if window_ok and not (capacity and "num_slots" in capacity):
+        queued = sweep_capacity(parsed, configs, capacity, window=True)
+        if queued["num_slots"] < cap["num_slots"]:
+            cap, window = queued, True
     if vmap_runs is None:
         vmap_runs = len(configs) if jax.default_backend() != "cpu" else 1
     if isinstance(vmap_runs, bool) or not isinstance(vmap_runs, int) or vmap_runs < 1:
@@ -1122,7 +1170,8 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
     t0 = time.perf_counter()
     try:
         out = _sweep_replay(parsed, configs, cap, capacity, vmap_runs, progress, threads, info,
-                            bool(vmap_skips), first, workers, None if half_slots is None else bool(half_slots))
+                            bool(vmap_skips), first, workers, None if half_slots is None else bool(half_slots),
+                            window, window_ok)
     finally:                    # also when runs did not drain (a benchmark times a few chunks)
         if stats is not None:
             wall = time.perf_counter() - t0
@@ -1156,11 +1205,24 @@ def _sweep_caching(trace: dict, spec, stats: dict | None, axes: dict, kwargs: di
 
 
 def _sweep_replay(parsed, configs, cap, capacity, vmap_runs, progress, threads, info, skips=True,
-                  first=None, workers=False, half_slots=False):
-    """`_waves`, restarted with twice the slots while some run has more requests alive."""
+                  first=None, workers=False, half_slots=False, window=False, window_ok=False):
+    """`_waves`, restarted while some run has more requests alive than slots: with arrivals
+    past the slots waiting outside them (`window_ok`: `_step`'s window), then with twice
+    the slots."""
     while (out := _waves(parsed, configs, cap, vmap_runs, progress, threads, info, skips, first,
-                         workers, half_slots)) is None:
+                         workers, half_slots, window)) is None:
+        if window_ok and not window:
+            window = True
+            info["restarts"] += 1
+            if progress:
+                print(f"sweep: more requests alive than {cap['num_slots']} slots; restarting with the "
+                      f"arrivals past them waiting outside the slots", file=sys.stderr)
+            continue
         if capacity and "num_slots" in capacity:
+            if window:
+                raise SweepError(f"sweep: some run needs more than num_slots={cap['num_slots']} requests "
+                                 f"in its slots at once (running, swapped, and waiting as far as a step's "
+                                 f"admission reaches); raise the capacity's num_slots")
             raise SweepError(f"sweep: some run has more than num_slots={cap['num_slots']} requests "
                              f"alive at once; raise the capacity's num_slots")
         cap["num_slots"] *= 2
@@ -1168,11 +1230,12 @@ def _sweep_replay(parsed, configs, cap, capacity, vmap_runs, progress, threads, 
         if progress:
             print(f"sweep: more requests alive than {cap['num_slots'] // 2} slots; restarting with "
                   f"{cap['num_slots']} (one more compile; capacity num_slots skips this)", file=sys.stderr)
+    info["window"] = window
     return out
 
 
 def _waves(parsed, configs, cap, vmap_runs, progress, threads, info, skips, first=None, workers=False,
-           half_slots=False):
+           half_slots=False, window=False):
     """`_replay` of every config, or with `first` (indices, sweep_prune.first_wave) in waves
     (sweep_prune): the roots, the rest of `first`, then the configurations no run made
     answers for; each run of a wave starts from the state of a run made before, as late as
@@ -1181,7 +1244,7 @@ def _waves(parsed, configs, cap, vmap_runs, progress, threads, info, skips, firs
     the run it started from, shifted (`_shifted`). None as `_replay`."""
     run = lambda which, label, **kw: _replay(  # noqa: E731
         parsed, [configs[i] for i in which], cap, vmap_runs, progress, threads, stats=info, skips=skips,
-        batch=len(configs), label=label, workers=workers, half_slots=half_slots, **kw)
+        batch=len(configs), label=label, workers=workers, half_slots=half_slots, window=window, **kw)
     # Counted afresh by each attempt: a slot-doubling restart's counts are the last attempt's.
     info.update(pruned=0, waves=1, prune=bool(first) and len(first) < len(configs), resumed=0, skipped_steps=0,
                 half_slot_run_steps=0, live_run_steps=0, moved_up=0, moved_down=0)
