@@ -257,8 +257,8 @@ def sweep_capacity(trace: Trace, configs: list[SchedulerConfig], capacity: dict 
                               f"{least['max_blocks_per_seq']} blocks, above the static capacity",
         "num_slots": "capacity needs a positive",
     }
-    # num_slots is a guess (at least what the trace surely needs): more alive requests than
-    # slots restarts the sweep with twice as many.
+    # num_slots is a guess (without the window, at least what the trace surely needs): a run
+    # that needs more restarts the sweep with twice as many.
     cap = replay_capacity(trace, configs, restarts=True, backlog=window)
     # Pools rounded up to powers of two, so grids of nearby sizes share one compiled chunk
     # (in this process and in the persistent cache); a run never hands out blocks past its own.
