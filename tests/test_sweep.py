@@ -608,7 +608,7 @@ def test_sweep__slot_doublings_restart_with_the_same_rows(vmapped, monkeypatch):
             [{k: r[k] for k in (*GRID, *METRICS)} for r in rows]
 
 
-def test_sweep__a_burst_waits_outside_the_slots_from_the_start(monkeypatch, capsys):
+def test_sweep__a_burst_waits_outside_the_slots_from_the_start(monkeypatch, capsys, tmp_path):
     """100 requests arriving at once are all alive in the first step (`capacity.surely_alive`),
     more than the grid's usual 64 slots (2 x max_num_seqs, at least 64): the sweep keeps
     64 and lets the arrivals past them wait outside the slots, behind the waiting queue
@@ -627,6 +627,12 @@ def test_sweep__a_burst_waits_outside_the_slots_from_the_start(monkeypatch, caps
         assert tuple(stats[k] for k in ("num_slots", "restarts", "window", "compiles")) == want, stats
         assert "restarting" not in capsys.readouterr().err
         assert sum(r["preempted_recompute"] + r["preempted_swap"] for r in rows) > 0
+        if want[2]:         # and the CLI says so, beside its times
+            path = tmp_path / "burst.json"
+            path.write_text(json.dumps(trace))
+            assert run_cli(["sweep", str(path), "--max-num-seqs", "4,8", "--no-progress"]) == 0
+            assert re.search(r"^sweep: compile \d+\.\d s, runs \d+\.\d s, arrivals past the 64 slots waiting "
+                             r"outside them$", capsys.readouterr().err, re.M)
         for row in rows:
             want_row = expected_row(row, keys=("max_num_seqs", "preemption_mode"), trace=trace, capacity=None)
             assert {k: row[k] for k in want_row if k != "host_blocks_returned"} == \
