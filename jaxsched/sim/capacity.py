@@ -93,10 +93,11 @@ def surely_alive(trace: Trace, configs: Sequence[SchedulerConfig]) -> int:
     if not arrival.size:
         return 0
     gone = arrival + tokens                 # the first step at whose start it may have gone
+    sorted_arrival = np.sort(arrival)
     # Old enough only (exact, at every step): arrived minus gone, at each step an arrival or
     # a departure changes it.
     steps = np.unique(np.concatenate([arrival, gone]))
-    alive = np.searchsorted(np.sort(arrival), steps, "right") - np.searchsorted(np.sort(gone), steps, "right")
+    alive = np.searchsorted(sorted_arrival, steps, "right") - np.searchsorted(np.sort(gone), steps, "right")
     best = int(alive.max())
     # The sample budget as well, at arrival steps (where the count can rise), sampled evenly
     # when there are many: each a valid bound, so fewer of them only weaken the maximum.
@@ -105,7 +106,7 @@ def surely_alive(trace: Trace, configs: Sequence[SchedulerConfig]) -> int:
     samples, gone_s = samples[by_samples], gone[by_samples]
     arrivals = np.unique(arrival)
     count = max(1, min(arrivals.size, _BOUND_WORK // arrival.size))
-    first, sorted_arrival = int(arrival.min()), np.sort(arrival)
+    first = int(sorted_arrival[0])
     for t in arrivals[np.unique(np.linspace(0, arrivals.size - 1, count).astype(np.int64))]:
         old = gone_s <= t
         spent = np.cumsum(np.where(old, samples, 0))

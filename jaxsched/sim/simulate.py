@@ -204,8 +204,10 @@ def simulate(config: dict | SchedulerConfig, requests: list[dict], *, step_time:
                         max_steps=max_steps)
     cfg = _capacity_for(trace, capacity)
     fixed = capacity is not None and "num_slots" in capacity
-    if not fixed:
-        least = pow2(surely_alive(trace, [cfg]))      # a burst needs them: no restart to find out
+    if not fixed and cfg.num_slots > START_SLOTS:
+        # Up to START_SLOTS requests every one has a slot; past them a burst needs what it
+        # surely has alive, with no restart to find out.
+        least = pow2(surely_alive(trace, [cfg]))
         cfg = dataclasses.replace(cfg, num_slots=min(cfg.num_slots, max(START_SLOTS, least)))
     arrivals = trace.arrivals_by_step()
     burst = max((len(v) for v in arrivals.values()), default=1)
