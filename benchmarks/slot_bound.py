@@ -11,9 +11,8 @@ A replay's request slots are a static size, and every slot costs each step. Thre
   bound:     the same, starting no lower than `capacity.surely_alive` (pow2 of it), a lower
              bound on the requests alive at once in every run
   window:    `sweep`'s default: arrivals past the slots wait outside them, behind the waiting
-             queue, from the start where the bound is above the usual slots, else after a
-             first overflow; a step whose admission walk may reach past the slots restarts
-             with twice as many
+             queue, from the start, with max_num_seqs slots (at least 64); a step whose
+             admission walk may reach past the slots restarts with twice as many
 
 Traces, with the prompts and outputs of benchmarks/sweep.py's:
 

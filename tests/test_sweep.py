@@ -320,13 +320,13 @@ def test_sweep__half_slots_move_runs_between_slot_counts_with_the_same_rows(vmap
     assert (doubled["num_slots"], doubled["restarts"], doubled["window"]) == (32, 1, False)
     counts = ("half_slot_run_steps", "live_run_steps", "moved_up", "moved_down", "stepped_run_steps")
     assert {k: doubled[k] for k in counts} == {k: stats[k] for k in counts}
-    # With the window it restarts at 16 slots (8 at half), the arrivals past them waiting
-    # outside the slots: the same rows.
+    # With the window (the default) 16 slots (8 at half) hold it from the start, the
+    # arrivals past them waiting outside the slots: the same rows.
     monkeypatch.setattr(sw, "WINDOW", True)
     windowed = {}
     assert sweep(TRACE, **GRID, vmap_runs=1, threads=2, progress=False, prune=True, half_slots=True,
                  stats=windowed) == rows
-    assert (windowed["num_slots"], windowed["restarts"], windowed["window"]) == (16, 1, True)
+    assert tuple(windowed[k] for k in ("num_slots", "restarts", "window", "backlog")) == (16, 0, True, True)
     with pytest.raises(SweepError, match="half_slots must be True, False or None"):
         sweep(TRACE, **GRID, capacity=CAPACITY, half_slots="yes", progress=False)
     with pytest.raises(SweepError, match="half_slots=True needs the map path"):
@@ -531,7 +531,7 @@ def test_cli_sweep__prune_or_not_or_half_slots_give_the_same_rows(tmp_path, caps
                      capsys.readouterr().err, re.M)
 
 
-def test_sweep__more_requests_alive_than_slots_doubles_them_or_says_so(monkeypatch):
+def test_sweep__more_requests_alive_than_slots_doubles_them_or_says_so(monkeypatch, capsys):
     import importlib
     sweep_module = importlib.import_module("jaxsched.sim.sweep")   # jaxsched.sweep is the function
 
@@ -544,13 +544,21 @@ def test_sweep__more_requests_alive_than_slots_doubles_them_or_says_so(monkeypat
         return np.zeros((len(configs), 1, sweep_module.NUM_COLS), np.int32) + 1, \
             np.zeros((len(configs), 4, len(trace.requests)), np.int32)
     monkeypatch.setattr(sweep_module, "_replay", replay)
-    sweep(TRACE, max_num_seqs=[4], progress=False)
-    # min(pow2(24 requests), ...), then the same with arrivals past the slots waiting outside
-    # them (the window), then doubled.
-    assert calls == [32, 32, 64]
+    stats = {}
+    sweep(TRACE, max_num_seqs=[4], progress=True, stats=stats)
+    # min(pow2(24 requests), 64), the arrivals past the slots waiting outside them (the
+    # window), then doubled; the runs' requests (all finishing at step 0 here) never
+    # outnumbered the slots, so none waited outside.
+    assert calls == [32, 64]
+    assert (stats["restarts"], stats["window"], stats["backlog"]) == (1, True, False)
+    assert re.search(r"^sweep: some run needs more than 32 requests in its slots at once .*; restarting "
+                     r"with 64 slots", capsys.readouterr().err, re.M)
     with pytest.raises(SweepError, match="more than num_slots=16 requests in its slots at once"):
         sweep(TRACE, capacity=dict(num_slots=16), progress=False)
     monkeypatch.setattr(sweep_module, "WINDOW", False)
+    calls.clear()
+    sweep(TRACE, max_num_seqs=[4], progress=False)
+    assert calls == [32, 64]            # without the window, from the same guess
     with pytest.raises(SweepError, match="more than num_slots=16 requests alive at once"):
         sweep(TRACE, capacity=dict(num_slots=16), progress=False)
 
@@ -592,39 +600,39 @@ def test_cli_sweep__bad_spec_is_one_error_line(tmp_path, capsys):
 
 
 def test_sweep__slot_doublings_restart_with_the_same_rows(vmapped, monkeypatch):
-    """Starting from 8 slots, the vmapped sweep restarts with more (every request alive in a
-    slot), or with the arrivals past the slots waiting outside them (the window, under
-    vmap too); rows are unchanged."""
+    """Starting from 8 slots, the vmapped sweep restarts with twice as many until every
+    request alive has one; with the arrivals past the slots waiting outside them (the
+    window, under vmap too), from 2 slots until the admission walk never reaches past them.
+    Rows are unchanged."""
     rows, _ = vmapped
-    monkeypatch.setattr(sw, "sweep_capacity", lambda *a, **k: dict(CAPACITY, num_slots=8))
-    for window in (False, True):
+    for window, slots in ((False, 8), (True, 2)):
+        monkeypatch.setattr(sw, "sweep_capacity", lambda *a, slots=slots, **k: dict(CAPACITY, num_slots=slots))
         monkeypatch.setattr(sw, "WINDOW", window)
         stats = {}
         again = sweep(TRACE, **GRID, vmap_runs=16, threads=2, progress=False, stats=stats)
         assert stats["window"] == window and stats["restarts"] >= 1
-        if not window:
-            assert stats["num_slots"] > 8 and stats["num_slots"] == 8 << stats["restarts"]
+        assert stats["num_slots"] > slots and stats["num_slots"] == slots << stats["restarts"]
         assert [{k: r[k] for k in (*GRID, *METRICS)} for r in again] == \
             [{k: r[k] for k in (*GRID, *METRICS)} for r in rows]
 
 
 def test_sweep__a_burst_waits_outside_the_slots_from_the_start(monkeypatch, capsys, tmp_path):
     """100 requests arriving at once are all alive in the first step (`capacity.surely_alive`),
-    more than the grid's usual 64 slots (2 x max_num_seqs, at least 64): the sweep keeps
-    64 and lets the arrivals past them wait outside the slots, behind the waiting queue
-    (`_step`'s window), from the start: no restart, one compile. With a request that
+    more than the grid's 64 slots (max_num_seqs, at least 64): the sweep keeps 64 and lets
+    the arrivals past them wait outside the slots, behind the waiting queue (`_step`'s
+    window), from the start: no restart, one compile. With a request that
     max_num_seqs 1 ignores on arrival (SPEC B6), which must finish at its arrival step, it
     starts with slots for all instead (128). Rows equal `simulate`'s."""
     monkeypatch.setattr(sw, "_EXECUTABLES", {})
     burst = dict(config=dict(block_size=8, num_device_blocks=12, num_host_blocks=16, max_num_seqs=8),
                  requests=[dict(id=f"b{i}", arrival_step=0, prompt_len=8 + i % 24, max_tokens=1 + i % 13)
                            for i in range(100)])
-    for grid, n, want in (([4, 8], 1, (64, 0, True, 2)), ([1, 8], 2, (128, 0, False, 2))):
+    for grid, n, want in (([4, 8], 1, (64, 0, True, 2, True)), ([1, 8], 2, (128, 0, False, 2, False))):
         trace = dict(burst, requests=[dict(r, n=n if i == 50 else 1) for i, r in enumerate(burst["requests"])])
         stats = {}
         rows = sweep(trace, max_num_seqs=grid, preemption_mode=["recompute", "swap"], threads=1,
                      progress=True, stats=stats)
-        assert tuple(stats[k] for k in ("num_slots", "restarts", "window", "compiles")) == want, stats
+        assert tuple(stats[k] for k in ("num_slots", "restarts", "window", "compiles", "backlog")) == want, stats
         assert "restarting" not in capsys.readouterr().err
         assert sum(r["preempted_recompute"] + r["preempted_swap"] for r in rows) > 0
         if want[2]:         # and the CLI says so, beside its times

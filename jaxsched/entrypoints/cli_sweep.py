@@ -348,7 +348,7 @@ def cmd_sweep(args) -> int:
                 f"at half the slots" if stats.get("half_slots") else "")
         # Why a burst's sweep is as fast as a stream's: its requests did not each take a slot.
         window = (f", arrivals past the {stats['num_slots']} slots waiting outside them"
-                  if stats.get("window") else "")
+                  if stats.get("backlog") else "")
         print(f"sweep: compile {stats['compile_s']:.1f} s{loaded}, runs {stats['run_s']:.1f} s{half}{window}",
               file=sys.stderr)
     print(markdown_table(rows, columns))

@@ -126,15 +126,20 @@ def replay_capacity(trace: Trace, configs: Sequence[SchedulerConfig], *, restart
     times max_num_seqs alive, and every slot costs each step; never below what the trace
     surely needs (`surely_alive`: a burst of arrivals), where a restart would only add a
     compile. With `backlog` (the caller keeps arrivals past its slots outside them, as
-    `sweep`'s window does), only the guess.
+    `sweep`'s window does) the slots hold the running and swapped requests and the waiting
+    ones the admission walk may reach, so the guess is max_num_seqs (at least 64): the
+    running groups are at most that many, and fewer where the device pool or the token
+    budget binds first, which leaves the rest of the slots to the swapped and the waiting.
     """
     cap = needed_capacity(trace, configs)
     cap["max_seqs_per_group"] = pow2(cap["max_seqs_per_group"])
     cap["max_blocks_per_seq"] = bucket(cap["max_blocks_per_seq"])
     cap["num_slots"] = pow2(len(trace.requests))
     if restarts:
-        guess = max(64, 2 * pow2(max(c.max_num_seqs for c in configs)))
-        if not backlog:
-            guess = max(guess, pow2(surely_alive(trace, configs)))
+        most = pow2(max(c.max_num_seqs for c in configs))
+        if backlog:
+            guess = max(64, most)
+        else:
+            guess = max(64, 2 * most, pow2(surely_alive(trace, configs)))
         cap["num_slots"] = min(cap["num_slots"], guess)
     return cap

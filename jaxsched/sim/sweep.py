@@ -60,16 +60,16 @@ configurations no run made answers for; a run of a later wave resumes from the s
 run made before, at the last chunk boundary up to which that run's decisions are its own
 (`sweep_chunk` takes a first step per run), so it steps only the rest.
 
-Request slots are a static size too. A sweep starts with a modest number of slots (2 x
-max_num_seqs, at least 64). Requests arriving while they are full wait outside them, behind
-the waiting queue (`_step`'s window): the admission walk reaches them only after every
-waiting request in a slot, so a step whose walk took all of those may have reached past
-them, and voids the run. The window is on from the start for a trace that surely has more
-requests alive than the slots (`capacity.surely_alive`: a burst), else after a first
-overflow; where some request is ignored on arrival (SPEC B6: n above max_num_seqs, which
-must finish at its arrival step), every request alive gets a slot instead, from what the
-trace surely needs. A run that needs more slots restarts the sweep with twice as many (one
-more compile); results never depend on the slot count, only the speed does. With half slots a
+Request slots are a static size too, and every slot costs each step. Requests arriving while
+they are full wait outside them, behind the waiting queue (`_step`'s window): the admission
+walk reaches them only after every waiting request in a slot, so a step whose walk took all
+of those may have reached past them, and voids the run. The slots then hold the running, the
+swapped and the waiting the walk may reach, and a sweep starts with max_num_seqs of them (at
+least 64). Where some request is ignored on arrival (SPEC B6: n above max_num_seqs, which
+must finish at its arrival step), every request alive gets a slot instead, from 2 x
+max_num_seqs (at least 64) or what the trace surely needs (`capacity.surely_alive`: a
+burst). A run that needs more slots restarts the sweep with twice as many (one more
+compile); results never depend on the slot count, only the speed does. With half slots a
 run steps at half of them while that surely holds it (sim/sweep_slots.py; `half_slots`: by
 default from HALF_SLOTS_FROM configurations, or once their chunk is compiled).
 """
@@ -327,7 +327,10 @@ def _step(carry, x, cols, arrival_time, tokens, cap, width, window, padding):
         # (finished ones: those with a finish step, less the padding) + (those in a slot).
         slotted = ((per_request[0] >= 0).sum(dtype=jnp.int32) - padding
                    + (state.status != EMPTY).sum(dtype=jnp.int32))
-        batch = _batch_at(cols, arrival_time, tokens, slotted, arrived, width)
+        # Offered no more than the free slots take: a backlog that finds every slot full
+        # leaves the step's add (some 40 kernels of scatters) skipped, as without one.
+        free = (state.status == EMPTY).sum(dtype=jnp.int32)
+        batch = _batch_at(cols, arrival_time, tokens, slotted, jnp.minimum(arrived, slotted + free), width)
         backlog = arrived - slotted
     else:
         batch = _batch_at(cols, arrival_time, tokens, jnp.searchsorted(cols[0], t, side="left"), arrived, width)
@@ -1090,8 +1093,9 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
     shard_sizes (runs per block: MAP_BLOCK on the map path; vmapped, runs per shard,
     shrinking as runs drain),
     stepped_run_steps (run-steps computed, padding included), num_slots (the last start's),
-    restarts (starts over: some run needed more slots), window (did arrivals past the slots
-    wait outside them: `_step`), prune (did it run
+    restarts (starts over: some run needed more slots), window (could arrivals past the
+    slots wait outside them: `_step`), backlog (did some: a run had more requests alive
+    than slots), prune (did it run
     in waves), waves (1 to 3), pruned (configurations answered for without a run of their
     own), resumed (runs started from another run's state) and skipped_steps (the steps
     those runs did not make), live_run_steps (run-steps made, K per run per chunk it
@@ -1122,17 +1126,13 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
     points, configs = make_grid(dataclasses.replace(parsed.scheduler_config, **static), values)
     if memory_axes:
         points, configs = memory_grid(points, configs, memory_axes, memory)
-    cap = sweep_capacity(parsed, configs, capacity)
     # Arrivals past the slots wait outside them (`_step`'s window) where no request is
     # ignored on arrival (SPEC B6: n above max_num_seqs; such a request must finish at its
-    # arrival step), from the start for a trace that surely has more requests alive than a
-    # grid's usual slots (a burst), else after the first overflow.
-    window_ok = WINDOW and max(r["n"] for r in parsed.requests) <= min(c.max_num_seqs for c in configs)
-    window = False
-    if window_ok and not (capacity and "num_slots" in capacity):
-        queued = sweep_capacity(parsed, configs, capacity, window=True)
-        if queued["num_slots"] < cap["num_slots"]:
-            cap, window = queued, True
+    # arrival step, so it needs a slot whatever the queue): the slots then need not hold a
+    # backlog, and half as many serve (the 64-configuration grid of benchmarks/sweep.py:
+    # 64 slots instead of 128, 0.66x the run time).
+    window = WINDOW and max(r["n"] for r in parsed.requests) <= min(c.max_num_seqs for c in configs)
+    cap = sweep_capacity(parsed, configs, capacity, window=window)
     if vmap_runs is None:
         vmap_runs = len(configs) if jax.default_backend() != "cpu" else 1
     if isinstance(vmap_runs, bool) or not isinstance(vmap_runs, int) or vmap_runs < 1:
@@ -1171,18 +1171,29 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
     try:
         out = _sweep_replay(parsed, configs, cap, capacity, vmap_runs, progress, threads, info,
                             bool(vmap_skips), first, workers, None if half_slots is None else bool(half_slots),
-                            window, window_ok)
+                            window)
     finally:                    # also when runs did not drain (a benchmark times a few chunks)
         if stats is not None:
             wall = time.perf_counter() - t0
             stats.update(info, wall_s=wall, run_s=wall - info["compile_s"], num_slots=cap["num_slots"])
     records, per_request_ = out
+    arrival = np.array([r["arrival_step"] for r in parsed.requests])
     if stats is not None:
         stats["run_steps"] = int(sum(int(np.nonzero(r[:, C_FINISHED])[0].max()) + 1 for r in records))
-    arrival = np.array([r["arrival_step"] for r in parsed.requests])
+        stats["backlog"] = bool(window and peak_alive(arrival, per_request_[:, 0, :arrival.size]) > cap["num_slots"])
     slo = (slo_ttft, slo_tpot) if slo_ttft is not None or slo_tpot is not None else None
     return [_row(p, c, records[i], per_request_[i], arrival, step_time_model, slo, per_request)
             for i, (p, c) in enumerate(zip(points, configs))]
+
+
+def peak_alive(arrival: np.ndarray, finish: np.ndarray) -> int:
+    """The most requests alive at once in any run: arrived at or before a step, finishing at
+    or after it. `arrival` int[N] steps, `finish` int[runs, N] each run's finish steps."""
+    span = int(max(arrival.max(), finish.max())) + 2
+    arrived = np.cumsum(np.bincount(arrival, minlength=span))
+    runs = finish.shape[0]
+    gone = np.bincount((finish + 1 + span * np.arange(runs)[:, None]).ravel(), minlength=runs * span)
+    return int((arrived - np.cumsum(gone.reshape(runs, span), axis=1)).max())
 
 
 def _sweep_caching(trace: dict, spec, stats: dict | None, axes: dict, kwargs: dict) -> list[dict]:
@@ -1198,38 +1209,30 @@ def _sweep_caching(trace: dict, spec, stats: dict | None, axes: dict, kwargs: di
         for k, v in part.items():
             summed = k in ("wall_s", "compile_s", "trace_s", "lower_s", "xla_s", "save_s", "load_s", "run_s",
                            "compiles", "restarts", "loaded", "runs", "run_steps", "stepped_run_steps", "pruned")
-            total[k] = total.get(k, 0) + v if summed else v
+            either = k == "backlog"       # in either sweep
+            total[k] = total.get(k, 0) + v if summed else (total.get(k, False) or v) if either else v
     if stats is not None:
         stats.update(total)
     return rows
 
 
 def _sweep_replay(parsed, configs, cap, capacity, vmap_runs, progress, threads, info, skips=True,
-                  first=None, workers=False, half_slots=False, window=False, window_ok=False):
-    """`_waves`, restarted while some run has more requests alive than slots: with arrivals
-    past the slots waiting outside them (`window_ok`: `_step`'s window), then with twice
-    the slots."""
+                  first=None, workers=False, half_slots=False, window=False):
+    """`_waves`, restarted with twice the slots while some run needs more: more requests
+    alive than slots, or with the `window`, a step whose admission walk may have reached
+    past them."""
     while (out := _waves(parsed, configs, cap, vmap_runs, progress, threads, info, skips, first,
                          workers, half_slots, window)) is None:
-        if window_ok and not window:
-            window = True
-            info["restarts"] += 1
-            if progress:
-                print(f"sweep: more requests alive than {cap['num_slots']} slots; restarting with the "
-                      f"arrivals past them waiting outside the slots", file=sys.stderr)
-            continue
+        need = ("requests in its slots at once (running, swapped, and waiting as far as a step's "
+                "admission reaches)" if window else "requests alive at once")
         if capacity and "num_slots" in capacity:
-            if window:
-                raise SweepError(f"sweep: some run needs more than num_slots={cap['num_slots']} requests "
-                                 f"in its slots at once (running, swapped, and waiting as far as a step's "
-                                 f"admission reaches); raise the capacity's num_slots")
-            raise SweepError(f"sweep: some run has more than num_slots={cap['num_slots']} requests "
-                             f"alive at once; raise the capacity's num_slots")
+            raise SweepError(f"sweep: some run needs more than num_slots={cap['num_slots']} {need}; "
+                             f"raise the capacity's num_slots")
         cap["num_slots"] *= 2
         info["restarts"] += 1
         if progress:
-            print(f"sweep: more requests alive than {cap['num_slots'] // 2} slots; restarting with "
-                  f"{cap['num_slots']} (one more compile; capacity num_slots skips this)", file=sys.stderr)
+            print(f"sweep: some run needs more than {cap['num_slots'] // 2} {need}; restarting with "
+                  f"{cap['num_slots']} slots (one more compile; capacity num_slots skips this)", file=sys.stderr)
     info["window"] = window
     return out
 
