@@ -334,14 +334,16 @@ def test_sweep__half_slots_move_runs_between_slot_counts_with_the_same_rows(vmap
 
 
 def test_sweep__half_slots_by_default_from_large_grids_or_once_their_chunk_is_compiled(vmapped, monkeypatch):
-    """half_slots=None (the default): off for a grid below HALF_SLOTS_FROM configurations
-    while no half-slot chunk of its capacity is compiled; on from HALF_SLOTS_FROM; and then
-    on for the small grid too, its chunk being compiled in this process (the executable
-    store does the same across processes: the test above). The rows never change."""
+    """half_slots=None (the default): off while no half-slot chunk of its capacity is
+    compiled (HALF_SLOTS_FROM None: whatever the grid's size); on from HALF_SLOTS_FROM
+    configurations where that is set; and then on for the grid without it too, its chunk
+    being compiled in this process (the executable store does the same across processes:
+    the test above). The rows never change."""
     monkeypatch.setattr(sw, "_EXECUTABLES", {})
     run = functools.partial(sweep, TRACE, **GRID, capacity=CAPACITY, vmap_runs=1, threads=2, progress=False)
     half = []
-    for at_least in (sw.HALF_SLOTS_FROM, 16, sw.HALF_SLOTS_FROM):
+    assert sw.HALF_SLOTS_FROM is None
+    for at_least in (None, 16, None):
         monkeypatch.setattr(sw, "HALF_SLOTS_FROM", at_least)
         stats = {}
         assert run(stats=stats) == vmapped[0]

@@ -107,9 +107,9 @@ def register(subparsers) -> None:
     s("--half-slots", action=argparse.BooleanOptionalAction, default=None,
       help="step each run at half the request slots while that surely holds it, moving it "
            "between chunks (CPU map path, on threads or --workers); rows are the same either "
-           "way. One more compiled chunk for 0.69-0.80x the runs' time (default: on from 1024 "
-           "configurations, about even from a cold start and faster from then on, and whenever "
-           "the compilation cache holds the chunk)")
+           "way. One more compiled chunk; with arrivals past the slots waiting outside them "
+           "few run-steps fit half the slots (0.91-1.03x the runs' time by measurement; "
+           "default: on only when the compilation cache holds the chunk)")
     s("--gpu-memory-utilization", metavar="SPEC", help="sweep axis in memory units, e.g. 0.5:0.9:0.1: "
       "the device's share that the weights, working memory and KV cache may use (needs --model)")
     s("--swap-space", metavar="SPEC", help="sweep axis, GiB of host swap per device, e.g. 1,4,16 (needs --model)")

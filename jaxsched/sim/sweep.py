@@ -71,7 +71,7 @@ max_num_seqs (at least 64) or what the trace surely needs (`capacity.surely_aliv
 burst). A run that needs more slots restarts the sweep with twice as many (one more
 compile); results never depend on the slot count, only the speed does. With half slots a
 run steps at half of them while that surely holds it (sim/sweep_slots.py; `half_slots`: by
-default from HALF_SLOTS_FROM configurations, or once their chunk is compiled).
+default once their chunk is compiled).
 """
 from __future__ import annotations
 
@@ -353,12 +353,15 @@ RUNS = "runs"       # the vmap axis name of a batch of runs (core.batching decid
 # runs (about 25 ms at 50 us a run-step), so its dispatch is noise, and a shard with few
 # runs left calls only the blocks that hold them.
 MAP_BLOCK = 8
-# Grids from this many configurations step their runs at half the slots by default (on the
-# map path on the CPU; `sweep(half_slots=None)`), and so does any grid whose half-slot chunk
-# is compiled already. The half-slot chunk is a second compile as long as the first; at
-# 1024 configurations a cold start is about even with it (fresh processes: 24.0 against
-# 22.8 s) and one with both chunks cached faster (13.1 against 18.1 s), and it is kept.
-HALF_SLOTS_FROM = 1024
+# Grids from this many configurations (None: none by their size) step their runs at half
+# the slots by default (on the map path on the CPU; `sweep(half_slots=None)`), and so does
+# any grid whose half-slot chunk is compiled already. The half-slot chunk is a second
+# compile as long as the first. With every request alive in a slot (slots 2 x
+# max_num_seqs) most run-steps fit half of them and a cold start of 1024 configurations
+# was about even with it; since arrivals past the slots wait outside them (max_num_seqs
+# slots) only 5-6% do, and the runs gain nothing (1.01x at 1024: 27.0 s against 19.4 cold,
+# benchmarks/results/sweep_half_slots.md).
+HALF_SLOTS_FROM: int | None = None
 # Arrivals past the slots may wait outside them (`_step`'s window); False gives every
 # request alive a slot, restarting with twice as many until they fit (the sweep before the
 # window: benchmarks/slot_bound.py compares the two).
@@ -664,7 +667,7 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
     K = CHUNK_STEPS
     if half_slots is None:          # by measurement (sweep's docstring)
         half_slots = group == 1 and cap["num_slots"] >= 2 and jax.default_backend() == "cpu"
-        if half_slots and positions < HALF_SLOTS_FROM:      # only if its chunk is compiled
+        if half_slots and (HALF_SLOTS_FROM is None or positions < HALF_SLOTS_FROM):   # if compiled
             small = dataclasses.replace(cap_config, num_slots=cap["num_slots"] // 2).capacity()
             shapes = jax.eval_shape(functools.partial(first_batch, capacity=small),
                                     jax.tree.map(lambda x: x[:size], limits), per_request[:size], *seed)
@@ -1057,15 +1060,14 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
     elsewhere is an error), step each run at half the request slots while that surely
     holds it (the requests alive at a chunk's start plus those arriving in it fit there),
     moving it up before it could need more and back down once its highest slots are empty
-    (sim/sweep_slots.py); rows do not depend on it. None (default): on, by measurement, for
-    grids of HALF_SLOTS_FROM (1024) configurations or more, and for any grid whose
+    (sim/sweep_slots.py); rows do not depend on it. None (default): on for any grid whose
     half-slot chunk is compiled in this process or kept in the executable store (a sweep
-    of that capacity made it before); off otherwise. A pruned grid's runs take 0.69-0.80x
-    as long (benchmarks/results/sweep_half_slots.md and sweep_half_slots_workers.md: 64 to
-    1024 configurations, threads or worker processes), but the half-slot chunk is one more
-    compile, as long as the first: from cold, 1024 configurations are about even (24.0
-    against 22.8 s in fresh processes), smaller grids slower (the compile is 5-6 s, the
-    runs of 256 configurations save 1.6 s); once it is compiled, every grid gains.
+    of that capacity made it before), else off (and from HALF_SLOTS_FROM configurations,
+    when that is set). The half-slot chunk is one more compile, as long as the first, and
+    since arrivals past the slots wait outside them, few run-steps fit half the slots: on
+    benchmarks/sweep.py's grids 5-6%, and the runs take 0.91-1.03x as long
+    (benchmarks/results/sweep_half_slots.md; 0.69-0.80x when every request alive had a
+    slot, at twice the slots).
     `prune`: run each grid line's largest configuration first, not run the configurations
     whose rows one of those runs gives exactly (sim/sweep_prune.py: every test against their
     limits would come out the same), and start the others from the state of a run made
