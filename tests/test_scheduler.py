@@ -241,13 +241,17 @@ def test_admitted_entries__row_ranks_equal_the_flat_rank_of_fresh_entries():
         np.testing.assert_array_equal(np.where(fresh, rank, -1), np.where(fresh, mask_rank(fresh), -1))
 
 
-def test_simulate__more_requests_alive_than_its_first_slots_restarts_with_twice_as_many(monkeypatch):
-    """A trace longer than START_SLOTS starts with that many slots; more requests alive at
-    once restarts the replay with twice as many, and the result is the one sized for every
-    request. A trace that surely has more alive at once (`capacity.surely_alive`: 53 of these
-    60) starts with enough, no restart. A num_slots the caller fixed is never raised: too few
-    is one clear error."""
+def test_simulate__a_long_trace_waits_outside_its_slots_or_gives_each_request_one(monkeypatch):
+    """Past START_SLOTS requests, arrivals past the slots wait outside them, behind the
+    waiting queue, from the sweep's guess (here 4 slots), and a step whose admission walk
+    may have reached past them restarts the replay with twice as many: the same decisions
+    as with a slot for every request. Where a request is ignored on arrival (n above
+    max_num_seqs, SPEC B6), every request alive gets a slot: from what the trace surely
+    has alive at once (`capacity.surely_alive`: 53 of these 60), or from START_SLOTS,
+    doubled while more are alive. A num_slots the caller fixed is never raised: too few is
+    one clear error."""
     import jaxsched.sim.simulate as sim
+    from jaxsched.sim.capacity import replay_capacity
     from jaxsched.sim.workload import generate_trace
     trace = generate_trace(60, rate=2.0, seed=5, config=dict(num_device_blocks=64, max_num_seqs=8))
     want = sim.simulate(trace["config"], trace["requests"])          # 64 slots: every request
@@ -255,14 +259,57 @@ def test_simulate__more_requests_alive_than_its_first_slots_restarts_with_twice_
     replay = sim._replay
     monkeypatch.setattr(sim, "_replay", lambda tr, cfg, *a: sizes.append(cfg.num_slots) or replay(tr, cfg, *a))
     monkeypatch.setattr(sim, "START_SLOTS", 32)
-    assert sim.simulate(trace["config"], trace["requests"]) == want
+    monkeypatch.setattr(sim, "replay_capacity", lambda *a, backlog=False, **k: dict(
+        replay_capacity(*a, backlog=backlog, **k), **(dict(num_slots=4) if backlog else {})))
+    assert_same_steps(sim.simulate(trace["config"], trace["requests"]), want)
+    assert sizes[0] == 4 and len(sizes) > 1 and sizes == [4 << i for i in range(len(sizes))]
+    # A request of n=9 that max_num_seqs 8 ignores on arrival: no window.
+    ignored = dict(trace, requests=[dict(r, n=9) if i == 30 else r for i, r in enumerate(trace["requests"])])
+    want = sim.simulate(ignored["config"], ignored["requests"], capacity=dict(num_slots=64))
+    assert any(s["ignored"] for s in want["steps"])
+    sizes.clear()
+    assert sim.simulate(ignored["config"], ignored["requests"]) == want
     assert sizes == [64]
     sizes.clear()
     monkeypatch.setattr(sim, "surely_alive", lambda *a: 0)
-    assert sim.simulate(trace["config"], trace["requests"]) == want
+    assert sim.simulate(ignored["config"], ignored["requests"]) == want
     assert sizes == [32, 64]
     with pytest.raises(sim.SlotsExceeded, match=r"more than num_slots=32 requests alive at step \d+"):
         sim.simulate(trace["config"], trace["requests"], capacity=dict(num_slots=32))
+
+
+def test_simulate__the_window_makes_the_references_decisions(monkeypatch):
+    """Random workloads (test_differential's: tiny pools, forks, chunked prefill, every
+    preemption mode) replayed with arrivals past 4 slots waiting outside them (START_SLOTS
+    0: every trace windowed), restarting with twice the slots while a step's admission may
+    reach past them: every step makes the Python reference's decisions."""
+    from hypothesis import assume, given, settings
+    from hypothesis import strategies as st
+    import jaxsched.sim.simulate as sim
+    from jaxsched.sim.capacity import replay_capacity
+    from jaxsched.sim.reference import simulate_reference
+    from test_differential import SETTINGS, TEST_CAPACITY, traces
+
+    shared = {k: v for k, v in TEST_CAPACITY.items() if k != "num_slots"}
+    sizes = []
+    replay = sim._replay
+    monkeypatch.setattr(sim, "_replay", lambda tr, cfg, *a: sizes.append(cfg.num_slots) or replay(tr, cfg, *a))
+    monkeypatch.setattr(sim, "START_SLOTS", 0)
+    monkeypatch.setattr(sim, "replay_capacity", lambda *a, backlog=False, **k: dict(
+        replay_capacity(*a, backlog=backlog, **k), **(dict(num_slots=4) if backlog else {})))
+
+    @settings(max_examples=40, **SETTINGS)
+    @given(st.booleans().flatmap(lambda chunked: traces(chunked=chunked)))
+    def check(trace):
+        assume(all(r["n"] <= trace["config"]["max_num_seqs"] for r in trace["requests"]))
+        sizes.clear()
+        got = sim.simulate(trace["config"], trace["requests"], capacity=shared, check_invariants=True)
+        assert sizes[0] == 4
+        seen.append(len(sizes))
+        assert_same_steps(got, simulate_reference(json.loads(json.dumps(trace))))
+    seen = []
+    check()
+    assert min(seen) == 1 and max(seen) > 1          # some fit 4 slots, some needed more
 
 
 def test_simulate__traces_whose_block_tables_round_alike_share_one_compiled_chunk(monkeypatch):

@@ -23,8 +23,8 @@ from jaxsched.core import batching
 from jaxsched.core.requests import (RequestBatch, add_requests, free_finished, free_finished_impl,
                                     update, update_impl)
 from jaxsched.core.scheduler import schedule_impl, schedule_step
-from jaxsched.core.state import (FINISH_NAMES, FINISHED, IGNORE_REASONS, IGNORED, WAITING, empty_state, is_live,
-                                  make_limits)
+from jaxsched.core.state import (EMPTY, FINISH_NAMES, FINISHED, IGNORE_REASONS, IGNORED, WAITING, empty_state,
+                                  is_live, make_limits)
 from jaxsched.core.xla_options import Options, replay_options
 from jaxsched.sim import executable_store
 from jaxsched.sim.capacity import pow2, replay_capacity, surely_alive
@@ -91,10 +91,67 @@ def _slot_record(state, out, overflow):
     return record, jnp.stack([out.num_free_device_blocks, out.num_free_host_blocks]), overflow
 
 
-def sim_step(state, batch: RequestBatch, now, cap: Capacity, check: bool = False):
+def sim_step(state, batch: RequestBatch, now, cap: Capacity, check: bool = False, backlog=None):
     """`replay_step` with simulate's per-slot record: (state, (record, free, flags, overflow))."""
-    state, (record, free, overflow), flags = replay_step(state, batch, now, cap, _slot_record, check)
+    state, (record, free, overflow), flags = replay_step(state, batch, now, cap, _slot_record, check, backlog)
     return state, (record, free, flags, overflow)
+
+
+def arrival_table(trace: Trace, padded: int, tok_width: int):
+    """The trace's requests in arrival order (stable: trace order within a step), as a replay
+    takes them on device: (cols int32[5, padded]: arrival step, request index, prompt_len, n,
+    max_tokens; arrival_time float32[padded]; tokens int32[padded, tok_width], the prompts
+    a replay with prefix caching hashes, SPEC A10). Rows past the requests pad it: they
+    arrive at a step no replay reaches."""
+    reqs = trace.requests
+    steps = np.array([r["arrival_step"] for r in reqs])
+    order = np.argsort(steps, kind="stable")
+    cols = np.array([[r[k] for r in reqs] for k in ("arrival_step", "prompt_len", "n", "max_tokens")])
+    cols = np.stack([cols[0], np.arange(len(reqs)), *cols[1:]])[:, order].astype(np.int32)
+    cols = np.pad(cols, ((0, 0), (0, padded - len(reqs))))
+    cols[0, len(reqs):] = np.iinfo(np.int32).max
+    arrival_time = np.array([s * trace.step_time for s in steps[order]] + [0.0] * (padded - len(reqs)),
+                            np.float32)
+    tokens = np.zeros((padded, tok_width), np.int32)
+    for row, i in enumerate(order if tok_width else ()):
+        tokens[row] = trace.prompt_token_ids(int(i), tok_width)
+    return cols, arrival_time, tokens
+
+
+def batch_at(cols: jax.Array, arrival_time: jax.Array, tokens: jax.Array, first: jax.Array,
+             upto: jax.Array, width: int) -> RequestBatch:
+    """Rows first .. upto - 1 of `arrival_table`'s (at most `width` of them), padded to
+    width; with prefix caching `tokens` (int32[N, M * block_size], else [N, 0]) are their
+    prompts."""
+    n = cols.shape[1]
+    idx = first + jnp.arange(width, dtype=jnp.int32)
+    safe = jnp.minimum(idx, n - 1)
+    valid = idx < jnp.minimum(upto, n)
+    take = lambda row: jnp.where(valid, cols[row, safe], 0)
+    prompts = jnp.where(valid[:, None], tokens[safe], 0) if tokens.shape[1] else None
+    return RequestBatch(valid=valid, request_index=take(1), prompt_len=take(2), n=take(3),
+                        max_tokens=take(4), arrival_time=jnp.where(valid, arrival_time[safe], 0.0),
+                        prompt_tokens=prompts)
+
+
+def window_batch(state, cols, arrival_time, tokens, t, finished, width: int):
+    """The arrivals step `t` offers the slots when arrivals past them wait outside them
+    (`replay_step`'s backlog): (batch, backlog). Requests take slots in arrival order, so
+    those given one so far are the `finished` ones plus those in a slot; the batch offers
+    the oldest of the rest, no more than the free slots take (a backlog that finds every
+    slot full leaves the step's add skipped, as without one)."""
+    arrived = jnp.searchsorted(cols[0], t, side="right").astype(jnp.int32)
+    slotted = finished + (state.status != EMPTY).sum(dtype=jnp.int32)
+    free = (state.status == EMPTY).sum(dtype=jnp.int32)
+    batch = batch_at(cols, arrival_time, tokens, slotted, jnp.minimum(arrived, slotted + free), width)
+    return batch, arrived - slotted
+
+
+def window_width(burst: int, num_slots: int) -> int:
+    """Rows of arrivals a windowed step offers: the trace's largest burst, or an eighth of
+    the slots when that is more (a restart with twice the slots takes twice as many a step),
+    never more than the slots."""
+    return min(num_slots, max(burst, num_slots // 8))
 
 
 def run_chunk(state, batches: RequestBatch, times, arrivals_left, cap: Capacity, check: bool = False):
@@ -113,8 +170,30 @@ def run_chunk(state, batches: RequestBatch, times, arrivals_left, cap: Capacity,
     return lax.scan(body, state, (batches, times, arrivals_left))
 
 
+def run_window_chunk(carry, cols, arrival_time, tokens, steps, times, last_arrival, cap: Capacity, width: int,
+                     check: bool = False):
+    """`sim_step` for steps `steps` (int32[K], at `times`), the arrivals taken from the
+    trace's `arrival_table` on device (`window_batch`): arrived requests go into free slots
+    oldest first and the rest wait outside them, behind the waiting queue. `carry` is
+    (state, requests finished so far). A step with no arrival at or after it (`last_arrival`),
+    none waiting outside and no group waiting, running or swapped is skipped, as in
+    `run_chunk`."""
+    def body(c, x):
+        state, finished = c
+        t, now = x
+        batch, backlog = window_batch(state, cols, arrival_time, tokens, t, finished, width)
+        state, out = lax.cond((t <= last_arrival) | (backlog > 0) | is_live(state.status).any(),
+                              lambda s: sim_step(s, batch, now, cap, check, backlog),
+                              lambda s: (s, _drained_record(s)), state)
+        return (state, finished + out[0][R_FINISHED].sum(dtype=jnp.int32)), out
+    return lax.scan(body, carry, (steps, times))
+
+
 @functools.cache
-def _jitted_chunk(options: Options) -> Callable:
+def _jitted_chunk(options: Options, window: bool = False) -> Callable:
+    if window:
+        return jax.jit(run_window_chunk, static_argnames=("cap", "width", "check"), donate_argnums=(0,),
+                       compiler_options=dict(options) or None)
     return jax.jit(run_chunk, static_argnames=("cap", "check"), donate_argnums=(0,),
                    compiler_options=dict(options) or None)
 
@@ -138,20 +217,22 @@ def _first_state(limits, rng, artificial_count, cap: Capacity):
 _STORED: dict = {}
 
 
-def _chunk_runner(cap: Capacity, check: bool) -> Callable:
-    """f(state, batches, times, arrivals_left) running one chunk: `chunk_program`, or, while
-    JAX's persistent cache is on, its executable through `executable_store`, so that a later
-    process loads it without tracing or lowering it."""
+def _chunk_runner(cap: Capacity, check: bool, width: int | None = None) -> Callable:
+    """f(carry, *inputs) running one chunk: `chunk_program` (with `width`, the windowed chunk,
+    `run_window_chunk`), or, while JAX's persistent cache is on, its executable through
+    `executable_store`, so that a later process loads it without tracing or lowering it."""
+    window = width is not None
+    static = dict(cap=cap, check=check) | (dict(width=width) if window else {})
     if executable_store.directory() is None:
-        return functools.partial(chunk_program(), cap=cap, check=check)
+        return functools.partial(_jitted_chunk(replay_options(), window), **static)
     options = dict(replay_options()) or None
 
     def run(*args):
         shapes = tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(args))
-        key = (cap, check, shapes, tuple(sorted((options or {}).items())))
+        key = (cap, check, width, shapes, tuple(sorted((options or {}).items())))
         if key not in _STORED:
             _STORED[key], _ = executable_store.compile_or_load(
-                _jitted_chunk(replay_options()), args, dict(cap=cap, check=check), options, {})
+                _jitted_chunk(replay_options(), window), args, static, options, {})
         return _STORED[key](*args)
     return run
 
@@ -172,14 +253,21 @@ def _capacity_for(trace: Trace, overrides: dict | None) -> SchedulerConfig:
 
 
 # A replay's slots hold every request alive at once: as many as the trace has requests, up
-# to this many. A longer trace starts here (or at what it surely needs when that is more:
-# `capacity.surely_alive`, a burst) and restarts with twice as many slots whenever more
-# requests are alive (one more compile each time): every slot costs each step, and a
-# long trace rarely has more than a few hundred requests alive. The trace of
-# benchmarks/sweep.py at 4000 requests: 29.1 s at 4096 slots, 11.6 s at 1024 (18.8 and
-# 5.7 s of it the run: benchmarks/results/simulate_slots.md). Up to 1024 requests nothing
-# changes: there a restart's compile would cost more than the slots it saves.
+# to this many. A longer trace lets arrivals past its slots wait outside them, behind the
+# waiting queue (as `sweep`'s window: vLLM's admission walk reaches them only after every
+# waiting request in a slot), from the sweep's guess (`capacity.replay_capacity`:
+# max_num_seqs slots, at least 64), and restarts with twice as many slots (one more compile)
+# whenever a step's walk may have reached past them; where some request is ignored on
+# arrival (SPEC B6: n above max_num_seqs, which must finish at its arrival step) every
+# request alive gets a slot instead, from here or what the trace surely needs when that is
+# more (`capacity.surely_alive`, a burst). Every slot costs each step: the trace of
+# benchmarks/sweep.py at 4000 requests took 29.1 s at 4096 slots, 11.6 s at 1024
+# (benchmarks/results/simulate_slots.md). Up to this many requests nothing changes: there a
+# restart's compile would cost more than the slots it saves.
 START_SLOTS = 1024
+# Past START_SLOTS requests, arrivals past the slots may wait outside them; False gives every
+# request alive a slot (simulate before the window: benchmarks/slot_bound.py compares them).
+WINDOW = True
 
 
 class SlotsExceeded(RuntimeError):
@@ -196,19 +284,27 @@ def simulate(config: dict | SchedulerConfig, requests: list[dict], *, step_time:
     max_blocks_per_seq, ...) and `arrival_width` the rows of arrivals a step takes (default:
     the trace's largest burst rounded up to a power of two, at least 8), so that many traces
     share one compiled step. Without a num_slots there, a trace of more than START_SLOTS
-    requests starts with that many slots and restarts with twice as many while more requests
-    are alive at once; with one, that raises SlotsExceeded. With `check_invariants`, every
-    step is checked on device and the first violation raises.
+    requests lets arrivals past its slots wait outside them, from max_num_seqs slots (at
+    least 64), and restarts with twice as many while a step's admission may reach past them
+    (see START_SLOTS); with one, every request alive needs a slot, and more raises
+    SlotsExceeded. With `check_invariants`, every step is checked on device and the first
+    violation raises.
     """
     trace = parse_trace({"config": config, "requests": requests}, step_time=step_time,
                         max_steps=max_steps)
     cfg = _capacity_for(trace, capacity)
     fixed = capacity is not None and "num_slots" in capacity
+    window = False
     if not fixed and cfg.num_slots > START_SLOTS:
-        # Up to START_SLOTS requests every one has a slot; past them a burst needs what it
-        # surely has alive, with no restart to find out.
-        least = pow2(surely_alive(trace, [cfg]))
-        cfg = dataclasses.replace(cfg, num_slots=min(cfg.num_slots, max(START_SLOTS, least)))
+        if WINDOW and max(r["n"] for r in trace.requests) <= cfg.max_num_seqs:
+            window = True
+            guess = replay_capacity(trace, [cfg], restarts=True, backlog=True)["num_slots"]
+            cfg = dataclasses.replace(cfg, num_slots=guess)
+        else:
+            # Every request alive needs a slot: a burst what it surely has alive, with no
+            # restart to find out.
+            least = pow2(surely_alive(trace, [cfg]))
+            cfg = dataclasses.replace(cfg, num_slots=min(cfg.num_slots, max(START_SLOTS, least)))
     arrivals = trace.arrivals_by_step()
     burst = max((len(v) for v in arrivals.values()), default=1)
     if arrival_width is None:
@@ -218,21 +314,31 @@ def simulate(config: dict | SchedulerConfig, requests: list[dict], *, step_time:
                          f"arrivals at one step")
     while True:
         try:
-            return _replay(trace, cfg, arrivals, arrival_width, check_invariants)
+            return _replay(trace, cfg, arrivals, arrival_width, check_invariants, window)
         except SlotsExceeded:
             if fixed:
                 raise
             cfg = dataclasses.replace(cfg, num_slots=2 * cfg.num_slots)
 
 
-def _replay(trace: Trace, cfg: SchedulerConfig, arrivals, width: int, check_invariants: bool) -> dict:
-    """`simulate` at the capacity of `cfg`; SlotsExceeded when a request found no free slot."""
+def _replay(trace: Trace, cfg: SchedulerConfig, arrivals, width: int, check_invariants: bool,
+            window: bool = False) -> dict:
+    """`simulate` at the capacity of `cfg`; SlotsExceeded when a request found no free slot
+    (with the `window`, when a step's admission walk may have reached past the slots)."""
     cap = cfg.capacity()
     last_arrival = max(arrivals, default=-1)
-    run = _chunk_runner(cap, check_invariants)
     # Committed like the scan's outputs, so the second chunk reuses the first one's executable.
     state = jax.device_put(_first_state(make_limits(cfg), jax.random.PRNGKey(cfg.seed),
                                         cfg.artificial_preemption_count, cap=cap), jax.devices()[0])
+    if window:
+        width = window_width(width, cap.num_slots)
+        run = _chunk_runner(cap, check_invariants, width)
+        table = jax.device_put(arrival_table(trace, len(trace.requests),
+                                             cap.max_blocks_per_seq * cap.block_size if cap.enable_prefix_caching
+                                             else 0))
+        carry = (state, jax.device_put(np.int32(0), jax.devices()[0]))     # committed, as above
+    else:
+        run = _chunk_runner(cap, check_invariants)
     records, frees = [], []
     num_requests, finished = len(trace.requests), 0
     step = 0
@@ -241,14 +347,23 @@ def _replay(trace: Trace, cfg: SchedulerConfig, arrivals, width: int, check_inva
             raise RuntimeError(f"simulate: {num_requests - finished} of {num_requests} requests "
                                f"unfinished after max_steps={trace.max_steps}")
         k = min(CHUNK_STEPS, trace.max_steps - step)
-        batches, times = _chunk_inputs(trace, arrivals, step, k, width, cap)
-        left = jnp.asarray(np.arange(step, step + k) <= last_arrival)
-        state, (rec, free, flags, overflow) = run(state, batches, times, left)
+        if window:
+            steps = np.arange(step, step + k, dtype=np.int32)
+            carry, (rec, free, flags, overflow) = run(carry, *table, jnp.asarray(steps),
+                                                      jnp.asarray(steps.astype(np.float32) * trace.step_time),
+                                                      jnp.int32(last_arrival))
+        else:
+            batches, times = _chunk_inputs(trace, arrivals, step, k, width, cap)
+            left = jnp.asarray(np.arange(step, step + k) <= last_arrival)
+            state, (rec, free, flags, overflow) = run(state, batches, times, left)
         rec, free, flags, overflow = (np.asarray(x) for x in (rec, free, flags, overflow))
         if overflow.any():
-            raise SlotsExceeded(f"simulate: more than num_slots={cap.num_slots} requests alive at "
-                                f"step {step + int(np.argmax(overflow))}; raise the capacity's "
-                                f"num_slots, or leave it out to let simulate size it")
+            at = step + int(np.argmax(overflow))
+            raise SlotsExceeded(
+                f"simulate: more than num_slots={cap.num_slots} requests in its slots at step {at} (running, "
+                f"swapped, and waiting as far as its admission reaches)" if window else
+                f"simulate: more than num_slots={cap.num_slots} requests alive at step {at}; raise the "
+                f"capacity's num_slots, or leave it out to let simulate size it")
         if flags.any():
             bad = int(np.nonzero(flags.any(1))[0][0])
             raise InvariantError(f"step {step + bad}: {describe(flags[bad])}")

@@ -94,12 +94,11 @@ from jaxsched.core import batching
 from jaxsched.core.block_pool import true_indices
 from jaxsched.core.config import PREEMPT_RECOMPUTE, PREEMPT_SWAP, SchedulerConfig
 from jaxsched.core.costs import PreemptionCosts
-from jaxsched.core.requests import RequestBatch
 from jaxsched.core.walks import BIG
 from jaxsched.core.xla_options import replay_options
 from jaxsched.sim import executable_store, sweep_prune, sweep_slots, sweep_workers
 from jaxsched.sim.capacity import bucket, longest_sequence, needed_capacity, pow2, replay_capacity
-from jaxsched.sim.simulate import CHUNK_STEPS, replay_step
+from jaxsched.sim.simulate import CHUNK_STEPS, arrival_table, batch_at, replay_step, window_batch, window_width
 from jaxsched.core.state import (EMPTY, FINISHED, IGNORED, LIMIT_FIELDS, empty_state, layout,
                                  stacked_limits)
 from jaxsched.sim.trace import Trace, TraceError, parse_trace
@@ -275,22 +274,6 @@ def sweep_capacity(trace: Trace, configs: list[SchedulerConfig], capacity: dict 
 
 # ----------------------------------------------------------------------------- the device loop
 
-def _batch_at(cols: jax.Array, arrival_time: jax.Array, tokens: jax.Array, first: jax.Array,
-              upto: jax.Array, width: int) -> RequestBatch:
-    """Rows first .. upto - 1 of `cols` (sorted by arrival step; at most `width` of them),
-    padded to width; with prefix caching `tokens` (int32[N, M * block_size], else [N, 0])
-    are their prompts."""
-    n = cols.shape[1]
-    idx = first + jnp.arange(width, dtype=jnp.int32)
-    safe = jnp.minimum(idx, n - 1)
-    valid = idx < jnp.minimum(upto, n)
-    take = lambda row: jnp.where(valid, cols[row, safe], 0)
-    prompts = jnp.where(valid[:, None], tokens[safe], 0) if tokens.shape[1] else None
-    return RequestBatch(valid=valid, request_index=take(1), prompt_len=take(2), n=take(3),
-                        max_tokens=take(4), arrival_time=jnp.where(valid, arrival_time[safe], 0.0),
-                        prompt_tokens=prompts)
-
-
 def _run_record(state, out, overflow):
     """A sweep run's record of a step, int32[NUM_COLS] (counts only: rows need no slots),
     and what `_step` stamps per request for the groups that finished."""
@@ -321,19 +304,13 @@ def _step(carry, x, cols, arrival_time, tokens, cap, width, window, padding):
     # per_request: int32[4, N] finish step, reason, first-token step, output tokens at finish
     state, per_request = carry
     t, now = x
-    arrived = jnp.searchsorted(cols[0], t, side="right").astype(jnp.int32)
     if window:
-        # Requests go into slots in arrival order, so those given one so far are the first
-        # (finished ones: those with a finish step, less the padding) + (those in a slot).
-        slotted = ((per_request[0] >= 0).sum(dtype=jnp.int32) - padding
-                   + (state.status != EMPTY).sum(dtype=jnp.int32))
-        # Offered no more than the free slots take: a backlog that finds every slot full
-        # leaves the step's add (some 40 kernels of scatters) skipped, as without one.
-        free = (state.status == EMPTY).sum(dtype=jnp.int32)
-        batch = _batch_at(cols, arrival_time, tokens, slotted, jnp.minimum(arrived, slotted + free), width)
-        backlog = arrived - slotted
+        # Finished requests: those with a finish step, less the padding.
+        batch, backlog = window_batch(state, cols, arrival_time, tokens, t,
+                                      (per_request[0] >= 0).sum(dtype=jnp.int32) - padding, width)
     else:
-        batch = _batch_at(cols, arrival_time, tokens, jnp.searchsorted(cols[0], t, side="left"), arrived, width)
+        arrived = jnp.searchsorted(cols[0], t, side="right").astype(jnp.int32)
+        batch = batch_at(cols, arrival_time, tokens, jnp.searchsorted(cols[0], t, side="left"), arrived, width)
         backlog = None
     state, (record, finished, index, reason, output_len), _ = replay_step(state, batch, now, cap, _run_record,
                                                                           backlog=backlog)
@@ -645,25 +622,14 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
     seed = (np.int32(cap_config.seed), np.int32(cap_config.artificial_preemption_count))
     steps = np.array([r["arrival_step"] for r in reqs])
     arrivals = np.sort(steps)
-    order = np.argsort(steps, kind="stable")
-    cols = np.array([[r[k] for r in reqs] for k in ("arrival_step", "prompt_len", "n", "max_tokens")])
-    cols = np.stack([cols[0], np.arange(len(reqs)), *cols[1:]])[:, order].astype(np.int32)
-    cols = np.pad(cols, ((0, 0), (0, padded - len(reqs))))
-    cols[0, len(reqs):] = np.iinfo(np.int32).max          # a step no replay reaches
-    arrival_time = np.array([s * trace.step_time for s in steps[order]] + [0.0] * (padded - len(reqs)),
-                            np.float32)
-    cols, arrival_time = jax.device_put(cols), jax.device_put(arrival_time)
     # SPEC A10: the prompts, in arrival order, only where the runs cache prefixes.
     tok_width = cap["max_blocks_per_seq"] * configs[0].block_size if configs[0].enable_prefix_caching else 0
-    tokens = np.zeros((padded, tok_width), np.int32)
-    for row, i in enumerate(order if tok_width else ()):
-        tokens[row] = trace.prompt_token_ids(int(i), tok_width)
+    cols, arrival_time, tokens = arrival_table(trace, padded, tok_width)
+    cols, arrival_time = jax.device_put(cols), jax.device_put(arrival_time)
     tokens = jax.device_put(tokens)
     width = pow2(max(8, np.bincount(steps).max()))
     if window:
-        # Arrived requests fill the free slots, up to `width` a step: a burst at most all of
-        # them, and a restart with twice the slots takes twice as many a step.
-        width = min(cap["num_slots"], max(width, cap["num_slots"] // 8))
+        width = window_width(width, cap["num_slots"])
     K = CHUNK_STEPS
     if half_slots is None:          # by measurement (sweep's docstring)
         half_slots = group == 1 and cap["num_slots"] >= 2 and jax.default_backend() == "cpu"
