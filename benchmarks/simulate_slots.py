@@ -1,18 +1,20 @@
-"""simulate on a long trace: slots for every request, or START_SLOTS and restarts.
+"""simulate on a long trace: slots for every request, or as it sizes them now.
 
     python benchmarks/simulate_slots.py [--requests 1000,4000]
 
 The trace of `benchmarks/sweep.py` (Poisson arrivals at 0.5 per step) with --requests
-requests, replayed by `simulate` as it sizes its slots now (min(requests, START_SLOTS)
-rounded up to a power of two, doubled and restarted while more requests are alive at once)
-and with num_slots fixed at the power of two holding every request (what it did before),
-in one process; the two replays must make the same decisions. `first` is the first call
+requests, replayed by `simulate` as it sizes its slots now (up to START_SLOTS requests one
+each; past them arrivals past the slots wait outside them, from max_num_seqs slots, doubled
+and restarted while a step's admission may reach past them) and with num_slots fixed at the
+power of two holding every request, in one process; the two replays must make the same
+decisions (each step's lists compared in any order: they name requests in slot order). `first` is the first call
 (tracing, compiles, every restart), `again` a second call of the same (run only: every
 executable is compiled by then). Results: benchmarks/results/simulate_slots.{json,md}.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 
@@ -47,6 +49,12 @@ def timed(trace, capacity, sizes: list) -> tuple[float, float, dict]:
     return t1 - t0, time.perf_counter() - t1, result
 
 
+def decisions(result: dict) -> list:
+    """Each step's decisions, its lists in any order."""
+    return [{k: sorted(map(json.dumps, v)) if isinstance(v, list) else v for k, v in step.items()}
+            for step in result["steps"]]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", default="1000,4000")
@@ -60,8 +68,8 @@ def main() -> None:
             sizes = []
             first, again, result = timed(trace, capacity, sizes)
             if capacity is not None:
-                want = result["steps"]
-            elif result["steps"] != want:
+                want = decisions(result)
+            elif decisions(result) != want:
                 raise AssertionError(f"{n} requests: the replays disagree")
             rows.append(dict(requests=n, steps=len(result["steps"]), slots=name,
                              replays=" -> ".join(map(str, sizes)), first_s=round(first, 1),
@@ -70,7 +78,7 @@ def main() -> None:
             print(rows[-1], flush=True)
     load.append(os.getloadavg()[0])
     md = "\n".join([
-        f"# simulate on long traces: slots for every request, or {sim.START_SLOTS} and restarts {machine()}", "",
+        f"# simulate on long traces: slots for every request, or as it sizes them now {machine()}", "",
         f"`python benchmarks/simulate_slots.py --requests {args.requests}`: the trace of "
         f"benchmarks/sweep.py at each length; both replays make the same decisions. `replays`: the "
         f"slot counts the first call replayed with; `first`: that call, compiles and restarts "

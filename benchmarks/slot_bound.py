@@ -1,5 +1,5 @@
 """How a replay sizes its request slots: every request alive in a slot, found by restarts or
-from a bound; or arrivals past the slots waiting outside them (the sweep's window).
+from a bound; or arrivals past the slots waiting outside them (the window).
 
     python benchmarks/slot_bound.py [--requests 1000] [--simulate-requests 2000]
 
@@ -10,9 +10,10 @@ A replay's request slots are a static size, and every slot costs each step. Thre
              `simulate` from up to 1024): one more compile each time
   bound:     the same, starting no lower than `capacity.surely_alive` (pow2 of it), a lower
              bound on the requests alive at once in every run
-  window:    `sweep`'s default: arrivals past the slots wait outside them, behind the waiting
-             queue, from the start, with max_num_seqs slots (at least 64); a step whose
-             admission walk may reach past the slots restarts with twice as many
+  window:    the default: arrivals past the slots wait outside them, behind the waiting
+             queue, from max_num_seqs slots (at least 64: `sweep` always, `simulate` past
+             1024 requests); a step whose admission walk may reach past the slots restarts
+             with twice as many
 
 Traces, with the prompts and outputs of benchmarks/sweep.py's:
 
@@ -24,9 +25,8 @@ Traces, with the prompts and outputs of benchmarks/sweep.py's:
                   slots, nothing changes (the control)
 
 Each swept over max_num_seqs {32, 64} x num_device_blocks {256, 512} (the map path, pruned,
-default threads) all three ways, and `simulate` (no window) of one configuration
-(max_num_seqs 64, 512 blocks) on an offline batch of --simulate-requests, with and without
-the bound; each in a fresh process without a compilation cache, so every compile is paid as
+default threads), and `simulate` of one configuration (max_num_seqs 64, 512 blocks) on an
+offline batch of --simulate-requests, all three ways; each in a fresh process without a compilation cache, so every compile is paid as
 a first start pays it. Rows are checked equal across the ways. Results go to
 benchmarks/results/slot_bound.{json,md}.
 """
@@ -57,7 +57,7 @@ from jaxsched.sim import sweep as sw
 from slot_bound import AXES, SIMULATED, make_trace
 if not {bound}:
     jaxsched.sim.capacity.surely_alive = sim.surely_alive = lambda *a: 0
-sw.WINDOW = {window}
+sw.WINDOW = sim.WINDOW = {window}
 trace = make_trace({kind!r}, {requests})
 t0 = time.perf_counter()
 if {entry!r} == "sweep":
@@ -70,7 +70,7 @@ else:
     sim._replay = lambda tr, cfg, *a: starts.append(cfg.num_slots) or replay(tr, cfg, *a)
     result = sim.simulate(dict(trace["config"], **SIMULATED), trace["requests"])
     rows = [len(result["steps"]), result["num_preemptions"]]
-    out = dict(num_slots=starts[-1], restarts=len(starts) - 1, window=False)
+    out = dict(num_slots=starts[-1], restarts=len(starts) - 1, window={window})
 out["wall_s"] = time.perf_counter() - t0
 out["rows"] = hashlib.sha1(json.dumps(rows, sort_keys=True, default=str).encode()).hexdigest()[:12]
 print(json.dumps(out))
@@ -123,8 +123,6 @@ def main() -> None:
         least = surely_alive(trace, configs)
         outs = []
         for way, (bound, window) in WAYS.items():
-            if entry == "simulate" and window:
-                continue
             out = fresh(kind, requests, entry, bound, window)
             outs.append(out)
             rows.append(dict(trace=kind, requests=len(trace.requests), entry=entry, surely_alive=least,
@@ -141,7 +139,7 @@ def main() -> None:
         f"{args.simulate_requests}`: each row a fresh process, no compilation cache; the ways "
         f"(the script's doc): `restarts` (every request alive in a slot, found by restarts: sweep "
         f"from 2 x max_num_seqs, at least 64; simulate from up to 1024), `bound` (the same, from "
-        f"`capacity.surely_alive`), `window` (sweep's default: arrivals past the slots wait outside "
+        f"`capacity.surely_alive`), `window` (the default: arrivals past the slots wait outside "
         f"them). The sweep is max_num_seqs {{32, 64}} x num_device_blocks {{256, 512}}, simulate one "
         f"configuration (max_num_seqs 64, 512 blocks); num_slots is the last start's; rows equal "
         f"across the ways. 1-minute load average {load:.1f} before, {os.getloadavg()[0]:.1f} after; "
