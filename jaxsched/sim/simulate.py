@@ -204,6 +204,11 @@ def chunk_program() -> Callable:
     return _jitted_chunk(replay_options())
 
 
+def window_chunk_program() -> Callable:
+    """`run_window_chunk` jitted likewise."""
+    return _jitted_chunk(replay_options(), True)
+
+
 @functools.partial(jax.jit, static_argnames="cap")
 def _first_state(limits, rng, artificial_count, cap: Capacity):
     """`init_state` in one compiled call per capacity: built eagerly, the same is a few dozen
@@ -212,27 +217,27 @@ def _first_state(limits, rng, artificial_count, cap: Capacity):
     return empty_state(cap, limits, 0, artificial_count).replace(rng=rng)
 
 
-# Chunks from `executable_store` in this process: (capacity, check, argument shapes, options)
-# -> executable.
+# Chunks from `executable_store` in this process: (capacity, check, the window's width or
+# None, argument shapes, options) -> executable.
 _STORED: dict = {}
 
 
 def _chunk_runner(cap: Capacity, check: bool, width: int | None = None) -> Callable:
-    """f(carry, *inputs) running one chunk: `chunk_program` (with `width`, the windowed chunk,
-    `run_window_chunk`), or, while JAX's persistent cache is on, its executable through
+    """f(carry, *inputs) running one chunk: `chunk_program` (with `width`,
+    `window_chunk_program`), or, while JAX's persistent cache is on, its executable through
     `executable_store`, so that a later process loads it without tracing or lowering it."""
     window = width is not None
     static = dict(cap=cap, check=check) | (dict(width=width) if window else {})
+    program = window_chunk_program() if window else chunk_program()
     if executable_store.directory() is None:
-        return functools.partial(_jitted_chunk(replay_options(), window), **static)
+        return functools.partial(program, **static)
     options = dict(replay_options()) or None
 
     def run(*args):
         shapes = tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(args))
         key = (cap, check, width, shapes, tuple(sorted((options or {}).items())))
         if key not in _STORED:
-            _STORED[key], _ = executable_store.compile_or_load(
-                _jitted_chunk(replay_options(), window), args, static, options, {})
+            _STORED[key], _ = executable_store.compile_or_load(program, args, static, options, {})
         return _STORED[key](*args)
     return run
 
@@ -261,9 +266,9 @@ def _capacity_for(trace: Trace, overrides: dict | None) -> SchedulerConfig:
 # arrival (SPEC B6: n above max_num_seqs, which must finish at its arrival step) every
 # request alive gets a slot instead, from here or what the trace surely needs when that is
 # more (`capacity.surely_alive`, a burst). Every slot costs each step: the trace of
-# benchmarks/sweep.py at 4000 requests took 29.1 s at 4096 slots, 11.6 s at 1024
-# (benchmarks/results/simulate_slots.md). Up to this many requests nothing changes: there a
-# restart's compile would cost more than the slots it saves.
+# benchmarks/sweep.py at 4000 requests takes 26.6 s at 4096 slots (one each), 6.5 s at 64
+# with the window (benchmarks/results/simulate_slots.md). Up to this many requests nothing
+# changes: there a restart's compile would cost more than the slots it saves.
 START_SLOTS = 1024
 # Past START_SLOTS requests, arrivals past the slots may wait outside them; False gives every
 # request alive a slot (simulate before the window: benchmarks/slot_bound.py compares them).
