@@ -280,9 +280,10 @@ def test_simulate__a_long_trace_waits_outside_its_slots_or_gives_each_request_on
 
 def test_simulate__the_window_makes_the_references_decisions(monkeypatch):
     """Random workloads (test_differential's: tiny pools, forks, chunked prefill, every
-    preemption mode) replayed with arrivals past 4 slots waiting outside them (START_SLOTS
-    0: every trace windowed), restarting with twice the slots while a step's admission may
-    reach past them: every step makes the Python reference's decisions."""
+    preemption mode), and one with prefix caching (a shared system prompt), replayed with
+    arrivals past 4 slots waiting outside them (START_SLOTS 0: every trace windowed),
+    restarting with twice the slots while a step's admission may reach past them: every step
+    makes the Python reference's decisions."""
     from hypothesis import assume, given, settings
     from hypothesis import strategies as st
     import jaxsched.sim.simulate as sim
@@ -310,6 +311,18 @@ def test_simulate__the_window_makes_the_references_decisions(monkeypatch):
     seen = []
     check()
     assert min(seen) == 1 and max(seen) > 1          # some fit 4 slots, some needed more
+    # With prefix caching: the prompts (a shared system prompt) come from the arrival table.
+    rng = np.random.default_rng(3)
+    system = rng.integers(0, 1000, 24).tolist()
+    requests = [{"id": f"r{i}", "arrival_step": i // 6, "prompt_len": 28, "max_tokens": int(rng.integers(2, 12)),
+                 "prompt_token_ids": system + rng.integers(0, 1000, 4).tolist()} for i in range(30)]
+    config = {"block_size": 4, "num_device_blocks": 40, "num_host_blocks": 30, "max_num_seqs": 4,
+              "max_num_batched_tokens": 64, "max_model_len": 64, "preemption_mode": "swap",
+              "enable_prefix_caching": True, "step_time": 1.0, "max_steps": 500}
+    sizes.clear()
+    got = sim.simulate(config, requests, check_invariants=True)
+    assert sizes[0] == 4
+    assert_same_steps(got, simulate_reference({"config": config, "requests": requests}))
 
 
 def test_simulate__traces_whose_block_tables_round_alike_share_one_compiled_chunk(monkeypatch):
