@@ -1,6 +1,6 @@
 """Where a sweep's compile goes, and what XLA:CPU's compile-time options trade for it.
 
-    python benchmarks/sweep_compile.py [--size 16] [--rounds 2]
+    python benchmarks/sweep_compile.py [--size 16] [--rounds 2] [--only NAME,NAME] [--name FILE]
 
 The 500-request trace and grid of `benchmarks/sweep.py` (--size configurations), swept by
 the CPU default path (the map path, a loop over runs) on one thread, persistent cache off,
@@ -9,7 +9,7 @@ splits the compile of `sweep_chunk` into tracing (Python), lowering (to StableHL
 which is given the option set as `compiler_options` (XLA's debug options, for this one
 executable, added to the replays' own: core/xla_options.py; the front ends' XLA_FLAGS otherwise). The split is the sweep's own `stats`. The run is the sweep's `stats['run_s']`,
 compile apart, per run-step (run-steps: the steps each run takes to drain, summed).
-Results go to benchmarks/results/sweep_compile.{json,md}.
+Results go to benchmarks/results/sweep_compile.{json,md} (--name: another file name).
 """
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ from sweep import TRACE, grid
 from jaxsched.sim.workload import generate_trace
 
 OPTIONS = {
-    "front-end default": {},
-    "LLVM -O2": {"xla_backend_optimization_level": 2},
+    "the replays' own (LLVM -O2)": {},
+    "LLVM -O3 (XLA:CPU's default)": {"xla_backend_optimization_level": 3},
     "LLVM -O1": {"xla_backend_optimization_level": 1},
     "LLVM -O1, no expensive passes": {"xla_backend_optimization_level": 1,
                                       "xla_llvm_disable_expensive_passes": True},
@@ -63,7 +63,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--only", default=None, help="comma-separated option set names (default: all)")
+    ap.add_argument("--name", default="sweep_compile", help="results file name")
     args = ap.parse_args()
+    chosen = {k: v for k, v in OPTIONS.items() if args.only is None or k in args.only.split(",")}
+    if not chosen or (args.only and len(chosen) != len(args.only.split(","))):
+        raise SystemExit(f"--only: option sets are {', '.join(OPTIONS)}")
     axes = grid(args.size)
     env = {k: v for k, v in os.environ.items()
            if k not in ("XLA_FLAGS", "JAXSCHED_COMPILATION_CACHE_DIR")}
@@ -75,7 +80,7 @@ def main() -> None:
         path = pathlib.Path(tmp) / "trace.json"
         path.write_text(json.dumps(generate_trace(**TRACE)))
         for rnd in range(args.rounds):
-            for name, options in OPTIONS.items():
+            for name, options in chosen.items():
                 got = subprocess.run([sys.executable, "-c", WORKER, str(path), json.dumps(axes),
                                       json.dumps(options)], env=env, check=True, capture_output=True,
                                      text=True)
@@ -85,7 +90,7 @@ def main() -> None:
                 print(f"round {rnd + 1} {name}: compile {run['compile_s']:.1f} s "
                       f"(XLA {run['xla_s']:.1f} s), {run['us_per_run_step']:.0f} us/run-step", flush=True)
     table = []
-    for name, options in OPTIONS.items():
+    for name, options in chosen.items():
         mine = [r for r in runs if r["options"] == name]
         best = lambda key: min(r[key] for r in mine)
         table.append(dict(options=name, compiler_options=options, trace_s=best("trace_s"),
@@ -109,7 +114,7 @@ def main() -> None:
                      f"{row['us_per_run_step'] / base['us_per_run_step']:.2f}x |")
     markdown = "\n".join(lines) + "\n"
     print(markdown)
-    save_results("sweep_compile", dict(size=args.size, rounds=args.rounds, table=table, runs=runs), markdown)
+    save_results(args.name, dict(size=args.size, rounds=args.rounds, table=table, runs=runs), markdown)
 
 
 if __name__ == "__main__":

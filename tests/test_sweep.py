@@ -24,7 +24,7 @@ import pytest
 from jaxsched import simulate, summarize
 from jaxsched.entrypoints.cli_sweep import register
 from jaxsched.core.costs import PreemptionCosts
-from jaxsched.core.xla_options import LEAN_PASSES, replay_options
+from jaxsched.core.xla_options import LEAN_PASSES, LLVM_O2, replay_options
 from jaxsched.sim import sweep as sw
 from jaxsched.sim import sweep_workers
 from jaxsched.sim.sweep import SweepError, sweep
@@ -109,7 +109,7 @@ def test_sweep__drained_runs_leave_the_vmapped_batch(vmapped):
     assert stats["trace_s"] + stats["lower_s"] + stats["xla_s"] == pytest.approx(stats["compile_s"])
 
 
-def test_sweep__compiles_once_per_shape(vmapped):
+def test_sweep__compiles_once_per_shape(vmapped, monkeypatch):
     _, stats = vmapped
     # Many chunks, one compile per shape, and one of the first batch's builder.
     assert stats["compiles"] == len(set(stats["shard_sizes"])) + 1
@@ -123,7 +123,10 @@ def test_sweep__compiles_once_per_shape(vmapped):
     # Each chunk compiled with the replays' XLA options (on the CPU, two passes left out).
     options = {key[3] for key in sw._EXECUTABLES if key[0] is sw.sweep_chunk}
     assert options == {tuple(sorted(replay_options()))}
+    # LLVM at -O2, unless XLA_FLAGS sets a level (this suite's -O0, conftest.py).
     assert replay_options("cpu") == LEAN_PASSES and replay_options("gpu") == ()
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_concurrency_optimized_scheduler=false")
+    assert replay_options("cpu") == LEAN_PASSES + LLVM_O2
 
 
 def test_sweep__a_batch_that_skips_nothing_gives_the_same_rows(vmapped):
