@@ -279,7 +279,7 @@ def test_simulate__a_long_trace_waits_outside_its_slots_or_gives_each_request_on
 
 
 def test_simulate__the_window_makes_the_references_decisions(monkeypatch):
-    """Random workloads (test_differential's: tiny pools, forks, chunked prefill, every
+    """25 random workloads (test_differential's: tiny pools, forks, chunked prefill, every
     preemption mode), and one with prefix caching (a shared system prompt), replayed with
     arrivals past 4 slots waiting outside them (START_SLOTS 0: every trace windowed),
     restarting with twice the slots while a step's admission may reach past them: every step
@@ -299,7 +299,7 @@ def test_simulate__the_window_makes_the_references_decisions(monkeypatch):
     monkeypatch.setattr(sim, "replay_capacity", lambda *a, backlog=False, **k: dict(
         replay_capacity(*a, backlog=backlog, **k), **(dict(num_slots=4) if backlog else {})))
 
-    @settings(max_examples=40, **SETTINGS)
+    @settings(max_examples=25, **SETTINGS)
     @given(st.booleans().flatmap(lambda chunked: traces(chunked=chunked)))
     def check(trace):
         assume(all(r["n"] <= trace["config"]["max_num_seqs"] for r in trace["requests"]))
