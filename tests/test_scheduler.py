@@ -241,6 +241,20 @@ def test_admitted_entries__row_ranks_equal_the_flat_rank_of_fresh_entries():
         np.testing.assert_array_equal(np.where(fresh, rank, -1), np.where(fresh, mask_rank(fresh), -1))
 
 
+def _windowed_from_4_slots(monkeypatch, start_slots: int) -> list:
+    """simulate windowed past `start_slots` requests, from 4 slots; returns the list that
+    gets the num_slots of every replay it makes."""
+    import jaxsched.sim.simulate as sim
+    from jaxsched.sim.capacity import replay_capacity
+    sizes = []
+    replay = sim._replay
+    monkeypatch.setattr(sim, "_replay", lambda tr, cfg, *a: sizes.append(cfg.num_slots) or replay(tr, cfg, *a))
+    monkeypatch.setattr(sim, "START_SLOTS", start_slots)
+    monkeypatch.setattr(sim, "replay_capacity", lambda *a, backlog=False, **k: dict(
+        replay_capacity(*a, backlog=backlog, **k), **(dict(num_slots=4) if backlog else {})))
+    return sizes
+
+
 def test_simulate__a_long_trace_waits_outside_its_slots_or_gives_each_request_one(monkeypatch):
     """Past START_SLOTS requests, arrivals past the slots wait outside them, behind the
     waiting queue, from the sweep's guess (here 4 slots), and a step whose admission walk
@@ -251,16 +265,10 @@ def test_simulate__a_long_trace_waits_outside_its_slots_or_gives_each_request_on
     doubled while more are alive. A num_slots the caller fixed is never raised: too few is
     one clear error."""
     import jaxsched.sim.simulate as sim
-    from jaxsched.sim.capacity import replay_capacity
     from jaxsched.sim.workload import generate_trace
     trace = generate_trace(60, rate=2.0, seed=5, config=dict(num_device_blocks=64, max_num_seqs=8))
     want = sim.simulate(trace["config"], trace["requests"])          # 64 slots: every request
-    sizes = []
-    replay = sim._replay
-    monkeypatch.setattr(sim, "_replay", lambda tr, cfg, *a: sizes.append(cfg.num_slots) or replay(tr, cfg, *a))
-    monkeypatch.setattr(sim, "START_SLOTS", 32)
-    monkeypatch.setattr(sim, "replay_capacity", lambda *a, backlog=False, **k: dict(
-        replay_capacity(*a, backlog=backlog, **k), **(dict(num_slots=4) if backlog else {})))
+    sizes = _windowed_from_4_slots(monkeypatch, start_slots=32)
     assert_same_steps(sim.simulate(trace["config"], trace["requests"]), want)
     assert sizes[0] == 4 and len(sizes) > 1 and sizes == [4 << i for i in range(len(sizes))]
     # A request of n=9 that max_num_seqs 8 ignores on arrival: no window.
@@ -287,17 +295,11 @@ def test_simulate__the_window_makes_the_references_decisions(monkeypatch):
     from hypothesis import assume, given, settings
     from hypothesis import strategies as st
     import jaxsched.sim.simulate as sim
-    from jaxsched.sim.capacity import replay_capacity
     from jaxsched.sim.reference import simulate_reference
     from test_differential import SETTINGS, TEST_CAPACITY, traces
 
     shared = {k: v for k, v in TEST_CAPACITY.items() if k != "num_slots"}
-    sizes = []
-    replay = sim._replay
-    monkeypatch.setattr(sim, "_replay", lambda tr, cfg, *a: sizes.append(cfg.num_slots) or replay(tr, cfg, *a))
-    monkeypatch.setattr(sim, "START_SLOTS", 0)
-    monkeypatch.setattr(sim, "replay_capacity", lambda *a, backlog=False, **k: dict(
-        replay_capacity(*a, backlog=backlog, **k), **(dict(num_slots=4) if backlog else {})))
+    sizes = _windowed_from_4_slots(monkeypatch, start_slots=0)
 
     @settings(max_examples=25, **SETTINGS)
     @given(st.booleans().flatmap(lambda chunked: traces(chunked=chunked)))
