@@ -115,6 +115,14 @@ def surely_alive(trace: Trace, configs: Sequence[SchedulerConfig]) -> int:
     return best
 
 
+def window_exact(trace: Trace, configs: Sequence[SchedulerConfig]) -> bool:
+    """May arrivals past a replay's slots wait outside them (a backlog behind the waiting
+    queue, which vLLM's admission walk reaches only after every waiting request in a slot)
+    in every one of `configs`? Not where a request is ignored on arrival (SPEC B6: n above
+    max_num_seqs): it must finish at its arrival step, so it needs a slot whatever the queue."""
+    return max(r["n"] for r in trace.requests) <= min(c.max_num_seqs for c in configs)
+
+
 def replay_capacity(trace: Trace, configs: Sequence[SchedulerConfig], *, restarts: bool,
                     backlog: bool = False) -> dict:
     """The capacity to replay `trace` under each of `configs`.

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any, Callable
 
 import jax
@@ -27,7 +26,7 @@ from jaxsched.core.state import (EMPTY, FINISH_NAMES, FINISHED, IGNORE_REASONS, 
                                   is_live, make_limits)
 from jaxsched.core.xla_options import Options, replay_options
 from jaxsched.sim import executable_store
-from jaxsched.sim.capacity import pow2, replay_capacity, surely_alive
+from jaxsched.sim.capacity import pow2, replay_capacity, surely_alive, window_exact
 from jaxsched.sim.trace import Trace, parse_trace
 
 # Rows of a step's packed record, int32[NUM_ROWS, num_slots].
@@ -145,6 +144,12 @@ def window_batch(state, cols, arrival_time, tokens, t, finished, width: int):
     free = (state.status == EMPTY).sum(dtype=jnp.int32)
     batch = batch_at(cols, arrival_time, tokens, slotted, jnp.minimum(arrived, slotted + free), width)
     return batch, arrived - slotted
+
+
+def burst_width(burst: int) -> int:
+    """Rows of arrivals a step takes: the trace's largest burst rounded up to a power of two,
+    at least 8, so that traces of nearby bursts share one compiled step."""
+    return pow2(max(8, burst))
 
 
 def window_width(burst: int, num_slots: int) -> int:
@@ -301,7 +306,7 @@ def simulate(config: dict | SchedulerConfig, requests: list[dict], *, step_time:
     fixed = capacity is not None and "num_slots" in capacity
     window = False
     if not fixed and cfg.num_slots > START_SLOTS:
-        if WINDOW and max(r["n"] for r in trace.requests) <= cfg.max_num_seqs:
+        if WINDOW and window_exact(trace, [cfg]):
             window = True
             guess = replay_capacity(trace, [cfg], restarts=True, backlog=True)["num_slots"]
             cfg = dataclasses.replace(cfg, num_slots=guess)
@@ -313,7 +318,7 @@ def simulate(config: dict | SchedulerConfig, requests: list[dict], *, step_time:
     arrivals = trace.arrivals_by_step()
     burst = max((len(v) for v in arrivals.values()), default=1)
     if arrival_width is None:
-        arrival_width = 1 << math.ceil(math.log2(max(8, burst)))
+        arrival_width = burst_width(burst)
     elif arrival_width < burst:
         raise ValueError(f"simulate: arrival_width={arrival_width} is below the trace's {burst} "
                          f"arrivals at one step")

@@ -97,8 +97,9 @@ from jaxsched.core.costs import PreemptionCosts
 from jaxsched.core.walks import BIG
 from jaxsched.core.xla_options import replay_options
 from jaxsched.sim import executable_store, sweep_prune, sweep_slots, sweep_workers
-from jaxsched.sim.capacity import bucket, longest_sequence, needed_capacity, pow2, replay_capacity
-from jaxsched.sim.simulate import CHUNK_STEPS, arrival_table, batch_at, replay_step, window_batch, window_width
+from jaxsched.sim.capacity import bucket, longest_sequence, needed_capacity, pow2, replay_capacity, window_exact
+from jaxsched.sim.simulate import (CHUNK_STEPS, arrival_table, batch_at, burst_width, replay_step, window_batch,
+                                   window_width)
 from jaxsched.core.state import (EMPTY, FINISHED, IGNORED, LIMIT_FIELDS, empty_state, layout,
                                  stacked_limits)
 from jaxsched.sim.trace import Trace, TraceError, parse_trace
@@ -627,7 +628,7 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
     cols, arrival_time, tokens = arrival_table(trace, padded, tok_width)
     cols, arrival_time = jax.device_put(cols), jax.device_put(arrival_time)
     tokens = jax.device_put(tokens)
-    width = pow2(max(8, np.bincount(steps).max()))
+    width = burst_width(int(np.bincount(steps).max()))
     if window:
         width = window_width(width, cap["num_slots"])
     K = CHUNK_STEPS
@@ -1094,12 +1095,10 @@ def sweep(trace: dict, *, capacity: dict | None = None, step_time_model=None,
     points, configs = make_grid(dataclasses.replace(parsed.scheduler_config, **static), values)
     if memory_axes:
         points, configs = memory_grid(points, configs, memory_axes, memory)
-    # Arrivals past the slots wait outside them (`_step`'s window) where no request is
-    # ignored on arrival (SPEC B6: n above max_num_seqs; such a request must finish at its
-    # arrival step, so it needs a slot whatever the queue): the slots then need not hold a
-    # backlog, and half as many serve (the 64-configuration grid of benchmarks/sweep.py:
-    # 64 slots instead of 128, 0.66x the run time).
-    window = WINDOW and max(r["n"] for r in parsed.requests) <= min(c.max_num_seqs for c in configs)
+    # Arrivals past the slots wait outside them (`_step`'s window) where that is exact: the
+    # slots then need not hold a backlog, and half as many serve (the 64-configuration grid
+    # of benchmarks/sweep.py: 64 slots instead of 128, 0.66x the run time).
+    window = WINDOW and window_exact(parsed, configs)
     cap = sweep_capacity(parsed, configs, capacity, window=window)
     if vmap_runs is None:
         vmap_runs = len(configs) if jax.default_backend() != "cpu" else 1
@@ -1177,8 +1176,12 @@ def _sweep_caching(trace: dict, spec, stats: dict | None, axes: dict, kwargs: di
         for k, v in part.items():
             summed = k in ("wall_s", "compile_s", "trace_s", "lower_s", "xla_s", "save_s", "load_s", "run_s",
                            "compiles", "restarts", "loaded", "runs", "run_steps", "stepped_run_steps", "pruned")
-            either = k == "backlog"       # in either sweep
-            total[k] = total.get(k, 0) + v if summed else (total.get(k, False) or v) if either else v
+            if summed:
+                total[k] = total.get(k, 0) + v
+            elif k == "backlog":        # in either sweep
+                total[k] = total.get(k, False) or v
+            else:
+                total[k] = v
     if stats is not None:
         stats.update(total)
     return rows
