@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from jaxsched import SchedulerConfig, init_state
-from jaxsched.core.state import (FIELDS, LIMIT_FIELDS, ONE_LEAF_BYTES, SchedulerOutput, SchedulerState,
-                                 Status, layout, make_limits, stacked_limits)
+from jaxsched.core.state import (FIELDS, LIMIT_FIELDS, ONE_LEAF_BYTES, SCALAR_SHAPES, SchedulerOutput,
+                                 SchedulerState, Status, layout, make_limits, stacked_limits)
 
 
 def _random_value(field, shape, rng):
@@ -65,13 +65,20 @@ def test_state__per_field_layout_holds_the_same_fields_and_packs_back_exactly(sl
     # Stacked along a run axis, as a sweep holds it.
     runs = jax.tree.map(lambda x: jnp.stack([x, x[::-1] if x.ndim else x]), state)
     split = runs.per_field()
-    assert len(split.data) == len(names) and split.caching == caching
+    scalars = [f.name for f in FIELDS if f.name in lay and f.shape in SCALAR_SHAPES]
+    assert len(split.data) == len(names) - len(scalars) + 1 and split.caching == caching
     assert split.per_field() is split and split.key_bits == state.key_bits
     for n in names:
         np.testing.assert_array_equal(split.get(n), runs.get(n), err_msg=n)
     # A write touches only its own leaf; packing back gives the packed storage bit for bit.
     zero = split.replace(n=jnp.zeros((2, slots), jnp.int32))
     assert sum(a is not b for a, b in zip(zero.data, split.data)) == 1
+    # The scalars share one leaf, which a write of one of them rewrites alone.
+    stepped = split.replace(step=split.step + 1)
+    assert sum(a is not b for a, b in zip(stepped.data, split.data)) == 1
+    for n in names:
+        np.testing.assert_array_equal(stepped.get(n), runs.get(n) + 1 if n == "step" else runs.get(n),
+                                      err_msg=n)
     back = zero.per_field(False)
     assert back.dims == state.dims
     for a, b in zip(back.data, runs.replace(n=jnp.zeros((2, slots), jnp.int32)).data):

@@ -21,8 +21,9 @@ table, and `state.replace(field=...)` writes fields back:
                        device_ref and host_ref
     dims: (G, S, M, D, H), static (pytree aux data); with prefix caching (SPEC A10)
           (G, S, M, D, H, key bits) and the cache fields exist; (G, S, M, D, H, key bits
-          or 0, 1) is the same state stored one leaf per field (`per_field`), the layout
-          inside a compiled loop over steps, where no leaf crosses a jitted call
+          or 0, 1) is the same state stored one leaf per field (`per_field`; the scalars
+          share one), the layout inside a compiled loop over steps, where no leaf crosses
+          a jitted call
 
 Floats are stored bit-cast (exact), bools as 0/1. Properties index from the end, so they
 also work on states stacked along leading axes (vmap).
@@ -169,6 +170,10 @@ _LEAF_OF |= {f"{pool}_{f}": 2 for pool in ("dev", "host") for f in _POOL_FIELDS}
 ONE_LEAF_BYTES = 128 * 1024
 
 
+# Field shapes stored together in the per-field layout: scalars and the rng key.
+SCALAR_SHAPES = ("", "2")
+
+
 @functools.lru_cache(maxsize=None)
 def layout(dims: tuple) -> dict:
     """name -> (leaf, offset, shape) for dims (G, S, M, D, H[, key bits]); plus "sizes" of
@@ -177,8 +182,21 @@ def layout(dims: tuple) -> dict:
     caching = len(dims) > 5 and bool(dims[5])
     shapes = {f.name: tuple(sizes[c] for c in f.shape) for f in FIELDS if caching or not f.cache}
     if len(dims) > 6 and dims[6]:             # one leaf per field (`per_field`)
-        out = {name: (i, 0, shape) for i, (name, shape) in enumerate(shapes.items())}
-        out["sizes"] = tuple(math.prod(shape) for shape in shapes.values())
+        # ... but the scalars share one: a sweep's visit of a run unpacks each leaf with a
+        # kernel of its own, and the scalars are half the fields (the limits among them) in
+        # a few dozen bytes (the sweep's chunk: 451 kernels -> 430).
+        leaves = {}
+        for f in FIELDS:
+            if f.name in shapes:
+                leaves.setdefault("" if f.shape in SCALAR_SHAPES else f.name, []).append(f.name)
+        out, sizes = {}, []
+        for leaf, names in enumerate(leaves.values()):
+            offset = 0
+            for name in names:
+                out[name] = (leaf, offset, shapes[name])
+                offset += math.prod(shapes[name])
+            sizes.append(offset)
+        out["sizes"] = tuple(sizes)
         return out
     split = 4 * sum(math.prod(shape) for shape in shapes.values()) > ONE_LEAF_BYTES
     out, offsets = {}, [0] * (3 if split else 1)
@@ -323,7 +341,8 @@ class SchedulerState:
         return decode(name, self.stored(name))
 
     def per_field(self, on: bool = True) -> SchedulerState:
-        """The same state stored one leaf per field (`on`), or back in the packed leaves.
+        """The same state stored one leaf per field (`on`; the scalars share one), or back in
+        the packed leaves.
 
         Inside a compiled loop over steps (a sweep's chunk) nothing crosses a jitted call, and
         per-field leaves let `replace` write only the fields it changes instead of copying the
