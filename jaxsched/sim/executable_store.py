@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import hashlib
 import os
 import pathlib
@@ -167,6 +168,21 @@ def compile_fresh(lowered, options: dict | None):
         compilation_cache.reset_cache()
 
 
+@contextlib.contextmanager
+def _gc_paused():
+    """Python's cyclic collector paused: tracing and lowering a sweep's chunk allocate some
+    hundred thousand objects and set off collections that found nothing to free, about a
+    tenth of the 0.9 s they take (probe: trace+lower 0.88-1.03 s with it, 0.81-0.85 without).
+    The objects are freed by reference counting as ever; the collector resumes after."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def compile_or_load(fn, args, static: dict, options: dict | None, stats: dict, store: bool = True):
     """(`fn` (a jitted function) compiled for `args` and its `static` arguments, its bytes
     or None): loaded from the store when it is on and has it, else traced, lowered and
@@ -183,10 +199,11 @@ def compile_or_load(fn, args, static: dict, options: dict | None, stats: dict, s
                 stats[field] = stats.get(field, 0.0) + seconds
             stats["loaded"] = stats.get("loaded", 0) + 1
             return found
-    traced = fn.trace(*args, **static)
-    t1 = time.perf_counter()
-    lowered = traced.lower()
-    t2 = time.perf_counter()
+    with _gc_paused():
+        traced = fn.trace(*args, **static)
+        t1 = time.perf_counter()
+        lowered = traced.lower()
+        t2 = time.perf_counter()
     exe = compile_fresh(lowered, options) if where is not None else lowered.compile(options)
     t3 = end = time.perf_counter()
     blob = None
