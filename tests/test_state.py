@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from jaxsched import SchedulerConfig, init_state
-from jaxsched.core.state import (FIELDS, LIMIT_FIELDS, ONE_LEAF_BYTES, SCALAR_SHAPES, SchedulerOutput,
-                                 SchedulerState, Status, layout, make_limits, stacked_limits)
+from jaxsched.core.state import (ADMISSION_FIELDS, FIELDS, LIMIT_FIELDS, ONE_LEAF_BYTES, SCALAR_SHAPES,
+                                 SchedulerOutput, SchedulerState, Status, layout, make_limits,
+                                 stacked_limits)
 
 
 def _random_value(field, shape, rng):
@@ -65,8 +66,8 @@ def test_state__per_field_layout_holds_the_same_fields_and_packs_back_exactly(sl
     # Stacked along a run axis, as a sweep holds it.
     runs = jax.tree.map(lambda x: jnp.stack([x, x[::-1] if x.ndim else x]), state)
     split = runs.per_field()
-    scalars = [f.name for f in FIELDS if f.name in lay and f.shape in SCALAR_SHAPES]
-    assert len(split.data) == len(names) - len(scalars) + 1 and split.caching == caching
+    shared = [f.name for f in FIELDS if f.name in lay and (f.shape in SCALAR_SHAPES or f.name in ADMISSION_FIELDS)]
+    assert len(split.data) == len(names) - len(shared) + 2 and split.caching == caching
     assert split.per_field() is split and split.key_bits == state.key_bits
     for n in names:
         np.testing.assert_array_equal(split.get(n), runs.get(n), err_msg=n)
@@ -83,6 +84,29 @@ def test_state__per_field_layout_holds_the_same_fields_and_packs_back_exactly(sl
     assert back.dims == state.dims
     for a, b in zip(back.data, runs.replace(n=jnp.zeros((2, slots), jnp.int32)).data):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("per_field", [False, True])
+def test_state__put_slots_writes_the_rows_of_its_slots_and_drops_out_of_range_ones(per_field):
+    config = SchedulerConfig(num_slots=8, max_model_len=64, num_device_blocks=32, max_seqs_per_group=2)
+    state = init_state(config)
+    lay = layout(state.dims)
+    rng = np.random.default_rng(3)
+    state = state.replace(**{n: _random_value(f, lay[n][2], rng) for f in FIELDS if (n := f.name) in lay})
+    state = state.per_field(per_field)
+    slot = jnp.array([5, 8, 1], jnp.int32)          # 8: no such slot, dropped
+    rows = dict(status=jnp.array([1, 2, 3]), arrival_time=jnp.array([0.5, 1.5, 2.5], jnp.float32),
+                n=jnp.array([2, 2, 1]), forked=True, num_tokens=jnp.array([[7, 0], [8, 0], [9, 9]]),
+                block_table=0)
+    got = state.put_slots(slot, **rows)
+    for name in [f.name for f in FIELDS if f.name in lay]:
+        want = np.array(state.get(name))
+        if name in rows:
+            value = np.broadcast_to(np.asarray(rows[name]), (3,) + want.shape[1:])
+            want[[5, 1]] = value[[0, 2]]
+        np.testing.assert_array_equal(got.get(name), want, err_msg=name)
+    with pytest.raises(TypeError, match="device_ref is not indexed by slot"):
+        state.put_slots(slot, device_ref=0)
 
 
 def test_state__stacked_limits_are_each_configs_limits():

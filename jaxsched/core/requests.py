@@ -85,27 +85,21 @@ def _add_requests(state: SchedulerState, batch: RequestBatch) -> tuple[Scheduler
     too_many = (batch.n > state.limits.max_num_seqs) | (batch.n > s) | (batch.n < 1)
     too_big = batch.prompt_len > width * state.limits.block_size
     ignored = placed & (too_many | too_big)
-    put = lambda arr, val: arr.at[slot].set(val, mode="drop")
     first_seq = jnp.arange(s)[None, :] == 0
-    state = state.replace(
-        status=put(state.status, jnp.where(ignored, FINISHED, WAITING)),
-        finish_reason=put(state.finish_reason, jnp.where(ignored, IGNORED, 0)),
-        ignore_reason=put(state.ignore_reason,
-                          jnp.where(too_many, IGNORE_TOO_MANY_SEQS, jnp.where(too_big, IGNORE_NEVER_FITS, 0))),
-        arrival_time=put(state.arrival_time, batch.arrival_time),
-        queue_key=put(state.queue_key, state.tail_key + rank),
-        request_index=put(state.request_index, batch.request_index),
-        prompt_len=put(state.prompt_len, batch.prompt_len), n=put(state.n, batch.n),
-        max_tokens=put(state.max_tokens, batch.max_tokens),
-        forked=put(state.forked, False), prefill_done=put(state.prefill_done, 0),
-        prefill_total=put(state.prefill_total, batch.prompt_len),
-        num_preemptions=put(state.num_preemptions, 0),
-        seq_alive=put(state.seq_alive, first_seq & ~ignored[:, None]),
-        seq_finish_reason=put(state.seq_finish_reason, jnp.where(first_seq & ignored[:, None], IGNORED, 0)),
-        num_tokens=put(state.num_tokens, jnp.where(first_seq, batch.prompt_len[:, None], 0)),
-        num_blocks=put(state.num_blocks, 0),
-        tail_key=state.tail_key + placed.sum(dtype=jnp.int32),
-    )
+    state = state.put_slots(
+        slot,
+        status=jnp.where(ignored, FINISHED, WAITING),
+        finish_reason=jnp.where(ignored, IGNORED, 0),
+        ignore_reason=jnp.where(too_many, IGNORE_TOO_MANY_SEQS, jnp.where(too_big, IGNORE_NEVER_FITS, 0)),
+        arrival_time=batch.arrival_time, queue_key=state.tail_key + rank,
+        request_index=batch.request_index, prompt_len=batch.prompt_len, n=batch.n,
+        max_tokens=batch.max_tokens, forked=False, prefill_done=0, prefill_total=batch.prompt_len,
+        num_preemptions=0,
+        seq_alive=first_seq & ~ignored[:, None],
+        seq_finish_reason=jnp.where(first_seq & ignored[:, None], IGNORED, 0),
+        num_tokens=jnp.where(first_seq, batch.prompt_len[:, None], 0),
+        num_blocks=0,
+    ).replace(tail_key=state.tail_key + placed.sum(dtype=jnp.int32))
     if state.caching:
         if batch.prompt_tokens is None:
             raise ValueError("add_requests: a state with prefix caching needs the batch's "
@@ -113,8 +107,8 @@ def _add_requests(state: SchedulerState, batch: RequestBatch) -> tuple[Scheduler
         bs = batch.prompt_tokens.shape[-1] // width
         keys, _ = prefix_cache.block_keys(batch.prompt_tokens, batch.prompt_len, batch.prompt_len,
                                           bs, state.key_bits)                     # [R, 2, M]
-        state = state.replace(seq_key=put(state.seq_key, jnp.where(
-            first_seq[..., None, None], keys[:, None], jnp.uint32(0))))
+        state = state.put_slots(slot, seq_key=jnp.where(first_seq[..., None, None], keys[:, None],
+                                                        jnp.uint32(0)))
     return state, slot
 
 

@@ -170,8 +170,11 @@ _LEAF_OF |= {f"{pool}_{f}": 2 for pool in ("dev", "host") for f in _POOL_FIELDS}
 ONE_LEAF_BYTES = 128 * 1024
 
 
-# Field shapes stored together in the per-field layout: scalars and the rng key.
+# Fields stored together in the per-field layout (`layout`): the scalars and the rng key;
+# the slot fields that only an admission writes (requests.add_requests, or the scheduler
+# ignoring a request).
 SCALAR_SHAPES = ("", "2")
+ADMISSION_FIELDS = ("ignore_reason", "arrival_time", "request_index", "prompt_len", "n", "max_tokens")
 
 
 @functools.lru_cache(maxsize=None)
@@ -182,13 +185,16 @@ def layout(dims: tuple) -> dict:
     caching = len(dims) > 5 and bool(dims[5])
     shapes = {f.name: tuple(sizes[c] for c in f.shape) for f in FIELDS if caching or not f.cache}
     if len(dims) > 6 and dims[6]:             # one leaf per field (`per_field`)
-        # ... but the scalars share one: a sweep's visit of a run unpacks each leaf with a
-        # kernel of its own, and the scalars are half the fields (the limits among them) in
-        # a few dozen bytes (the sweep's chunk: 451 kernels -> 430).
+        # ... but the scalars share one, and so do the fields only an admission writes: a
+        # sweep's visit of a run unpacks each leaf with a kernel of its own, and `put_slots`
+        # writes each leaf with one scatter. The scalars are half the fields (the limits
+        # among them) in a few dozen bytes (the sweep's chunk: 451 kernels -> 430; the
+        # admission fields with `put_slots`, 426 -> 414).
         leaves = {}
         for f in FIELDS:
             if f.name in shapes:
-                leaves.setdefault("" if f.shape in SCALAR_SHAPES else f.name, []).append(f.name)
+                key = "" if f.shape in SCALAR_SHAPES else "admitted" if f.name in ADMISSION_FIELDS else f.name
+                leaves.setdefault(key, []).append(f.name)
         out, sizes = {}, []
         for leaf, names in enumerate(leaves.values()):
             offset = 0
@@ -396,6 +402,29 @@ class SchedulerState:
                 parts.append(old[..., keep[0]:keep[1]])
             new[leaf] = jnp.concatenate(parts, axis=-1)
         return SchedulerState(tuple(new), self.dims)
+
+    def put_slots(self, slot: jax.Array, **rows) -> SchedulerState:
+        """A copy with rows `slot` (int32[R]; an out-of-range slot is dropped) of the named
+        slot-indexed fields (leading axis G) set to `rows` (each [R, ...] or broadcast to
+        it): one scatter per leaf written, not one per field (the packed layout: one in
+        all; a request's admission writes seventeen fields)."""
+        lay = layout(self.dims)
+        g = self.dims[0]
+        by_leaf: dict = {}
+        for name, value in rows.items():
+            leaf, offset, shape = lay[name]
+            if shape[:1] != (g,):
+                raise TypeError(f"SchedulerState.put_slots: {name} is not indexed by slot")
+            size = math.prod(shape[1:])
+            value = jnp.broadcast_to(encode(name, value), slot.shape + shape[1:]).reshape(-1)
+            at = offset + slot[:, None] * size + jnp.arange(size, dtype=jnp.int32)
+            at = jnp.where(slot[:, None] < g, at, self.data[leaf].shape[-1])
+            by_leaf.setdefault(leaf, []).append((at.reshape(-1), value))
+        data = list(self.data)
+        for leaf, parts in by_leaf.items():
+            at, value = (jnp.concatenate(p) for p in zip(*parts))
+            data[leaf] = data[leaf].at[at].set(value, mode="drop")
+        return SchedulerState(tuple(data), self.dims)
 
     def as_dict(self) -> dict:
         """Every named field, decoded (for debugging and tests)."""
