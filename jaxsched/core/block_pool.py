@@ -52,8 +52,9 @@ def _dot_cumsum(x: jax.Array, dtype) -> jax.Array:
 def cumsum(x: jax.Array, axis: int = -1, bound: int | None = None) -> jax.Array:
     """Inclusive int32 prefix sum (exact; wraps like int32 addition).
 
-    `bound`, a static upper bound on every |prefix sum|, lets sums below 2**24 run as float32
-    matmuls (exact there, and about twice as fast as integer ones on CPU).
+    Up to 64 entries a masked int32 reduction (one kernel); past that, `bound`, a static
+    upper bound on every |prefix sum|, lets sums below 2**24 run as float32 matmuls (exact
+    there, and about twice as fast as integer ones on CPU).
 
     NOTE: `jnp.cumsum` lowers to a `reduce_window` that is slow on XLA:CPU (10x at 8192
     elements, worse for several rows), and `lax.associative_scan` emits dozens of tiny
