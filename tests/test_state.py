@@ -66,7 +66,8 @@ def test_state__per_field_layout_holds_the_same_fields_and_packs_back_exactly(sl
     # Stacked along a run axis, as a sweep holds it.
     runs = jax.tree.map(lambda x: jnp.stack([x, x[::-1] if x.ndim else x]), state)
     split = runs.per_field()
-    shared = [f.name for f in FIELDS if f.name in lay and (f.shape in SCALAR_SHAPES or f.name in ADMISSION_FIELDS)]
+    shared = [f.name for f in FIELDS
+              if f.name in lay and (f.shape in SCALAR_SHAPES or f.name in ADMISSION_FIELDS)]
     assert len(split.data) == len(names) - len(shared) + 2 and split.caching == caching
     assert split.per_field() is split and split.key_bits == state.key_bits
     for n in names:
@@ -107,6 +108,8 @@ def test_state__put_slots_writes_the_rows_of_its_slots_and_drops_out_of_range_on
         np.testing.assert_array_equal(got.get(name), want, err_msg=name)
     with pytest.raises(TypeError, match="device_ref is not indexed by slot"):
         state.put_slots(slot, device_ref=0)
+    with pytest.raises(TypeError, match="unknown field seq_key"):      # no prefix caching here
+        state.put_slots(slot, seq_key=0)
 
 
 def test_state__stacked_limits_are_each_configs_limits():

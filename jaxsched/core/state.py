@@ -22,8 +22,8 @@ table, and `state.replace(field=...)` writes fields back:
     dims: (G, S, M, D, H), static (pytree aux data); with prefix caching (SPEC A10)
           (G, S, M, D, H, key bits) and the cache fields exist; (G, S, M, D, H, key bits
           or 0, 1) is the same state stored one leaf per field (`per_field`; the scalars
-          share one), the layout inside a compiled loop over steps, where no leaf crosses
-          a jitted call
+          share one, and so do the fields only an admission writes), the layout inside a
+          compiled loop over steps, where no leaf crosses a jitted call
 
 Floats are stored bit-cast (exact), bools as 0/1. Properties index from the end, so they
 also work on states stacked along leading axes (vmap).
@@ -347,8 +347,8 @@ class SchedulerState:
         return decode(name, self.stored(name))
 
     def per_field(self, on: bool = True) -> SchedulerState:
-        """The same state stored one leaf per field (`on`; the scalars share one), or back in
-        the packed leaves.
+        """The same state stored one leaf per field (`on`; the scalars share one, and so do
+        ADMISSION_FIELDS), or back in the packed leaves.
 
         Inside a compiled loop over steps (a sweep's chunk) nothing crosses a jitted call, and
         per-field leaves let `replace` write only the fields it changes instead of copying the
@@ -412,9 +412,11 @@ class SchedulerState:
         g = self.dims[0]
         by_leaf: dict = {}
         for name, value in rows.items():
-            leaf, offset, shape = lay[name]
-            if shape[:1] != (g,):
+            if name not in lay:
+                raise TypeError(f"SchedulerState.put_slots: unknown field {name}")
+            if not _SHAPE[name].startswith("G"):
                 raise TypeError(f"SchedulerState.put_slots: {name} is not indexed by slot")
+            leaf, offset, shape = lay[name]
             size = math.prod(shape[1:])
             value = jnp.broadcast_to(encode(name, value), slot.shape + shape[1:]).reshape(-1)
             at = offset + slot[:, None] * size + jnp.arange(size, dtype=jnp.int32)
@@ -498,6 +500,7 @@ def _storage_order() -> tuple[Field, ...]:
 FIELDS = _storage_order()
 FIELD_NAMES = tuple(f.name for f in FIELDS)
 _KIND = {f.name: f.kind for f in FIELDS}
+_SHAPE = {f.name: f.shape for f in FIELDS}
 SchedulerState.__doc__ += "\n".join(
     f"      {f.name}: {f.kind}[{', '.join(f.shape)}]  {f.doc}" + ("  (caching only)" if f.cache else "")
     for f in FIELDS if f.name not in LIMIT_FIELDS) + "\n      limits: Limits\n"
