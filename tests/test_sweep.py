@@ -536,6 +536,29 @@ def test_cli_sweep__prune_or_not_or_half_slots_give_the_same_rows(tmp_path, caps
                      capsys.readouterr().err, re.M)
 
 
+def test_sweep__the_progress_bar_says_when_the_step_compiles_or_loads(monkeypatch, capsys):
+    # Nothing compiled in this process: the bar says why it stands still.
+    monkeypatch.setattr(sw, "_EXECUTABLES", {})
+    one = dict(max_num_seqs=[4], num_device_blocks=[32], capacity=CAPACITY)
+    rows = sweep(TRACE, **one, progress=True)
+    assert "compiling the replay step (once per capacity)" in capsys.readouterr().err
+    # Compiled in the process: nothing to say, the same rows.
+    assert sweep(TRACE, **one, progress=True) == rows
+    err = capsys.readouterr().err
+    assert "compiling the replay step" not in err and "loading the compiled" not in err
+    # Kept in the store, not in the process: loading. (The key of an executable names its
+    # static arguments and its arguments' leaves: their shapes are all a lookup needs.)
+    key = next(k for k in sw._EXECUTABLES if k[0] is sw.sweep_chunk)
+    static = dict(key[1])
+    leaves = tuple(jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in key[2])
+    found = lambda: sw._chunk_found(leaves, static["cap"], static["width"], 1, True,   # noqa: E731
+                                    static["window"])
+    assert found() == "process"
+    monkeypatch.setattr(sw.executable_store, "stored", lambda *a: True)
+    monkeypatch.setattr(sw, "_EXECUTABLES", {})
+    assert found() == "store" and sw.CHUNK_NOTES["store"] == "loading the compiled replay step"
+
+
 def test_sweep__more_requests_alive_than_slots_doubles_them_or_says_so(monkeypatch, capsys):
     import importlib
     sweep_module = importlib.import_module("jaxsched.sim.sweep")   # jaxsched.sweep is the function

@@ -344,6 +344,9 @@ HALF_SLOTS_FROM: int | None = None
 # request alive a slot, restarting with twice as many until they fit (the sweep before the
 # window: benchmarks/slot_bound.py compares the two).
 WINDOW = True
+# What a progress bar says while the chunk is loaded or compiled (`_chunk_found`).
+CHUNK_NOTES = {"store": "loading the compiled replay step",
+               None: "compiling the replay step (once per capacity)"}
 # Compiled programs of a sweep (`_compiled`): (function, static arguments, argument shapes,
 # XLA options) -> executable: the chunk step per batch shape, and `first_batch`.
 _EXECUTABLES: dict = {}
@@ -436,9 +439,16 @@ def _executable(args, cap, width, vmap_runs, stats, compiler_options=None, skips
 def _chunk_ready(args, cap, width, window=False) -> bool:
     """Is the map path's chunk for these shapes (or jax.ShapeDtypeStructs) compiled in this
     process already, or kept in `executable_store`: free to use?"""
-    static, options = _chunk_static(cap, width, 1, True, None, window)
-    return (_key(sweep_chunk, args, static, options) in _EXECUTABLES
-            or executable_store.stored(sweep_chunk.__name__, static, args, options))
+    return _chunk_found(args, cap, width, 1, True, window) is not None
+
+
+def _chunk_found(args, cap, width, vmap_runs, skips, window) -> str | None:
+    """Where `sweep_chunk` for these shapes already is: "process" (compiled in this one),
+    "store" (kept in `executable_store`), or None (it must be compiled)."""
+    static, options = _chunk_static(cap, width, vmap_runs, skips, None, window)
+    if _key(sweep_chunk, args, static, options) in _EXECUTABLES:
+        return "process"
+    return "store" if executable_store.stored(sweep_chunk.__name__, static, args, options) else None
 
 
 def _key(fn, args, static: dict, compiler_options) -> tuple:
@@ -740,14 +750,22 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
                 half_steps += K * int((live & small_at).sum())
             live_steps += K * int(live.sum())
             exe = exe_small = None
+
+            def chunk_exe(state, cap_):
+                # A fresh start stands still for seconds here: the bar says why.
+                args = (state, cols, arrival_time, tokens, first[:size], times[:size])
+                found = _chunk_found(args, cap_, width, group, skips, window) if progress else "process"
+                note = None if found == "process" else CHUNK_NOTES[found]
+                if note:
+                    bar.set_postfix_str(note)
+                exe = _executable(args, cap_, width, group, stats, skips=skips, window=window)
+                if note:
+                    bar.set_postfix_str("")
+                return exe
             if remote is not None or (live & ~small_at).any():
-                exe = _executable((carries[0] if carries is not None else held, cols, arrival_time, tokens,
-                                   first[:size], times[:size]), capacity, width, group, stats, skips=skips,
-                                  window=window)
+                exe = chunk_exe(carries[0] if carries is not None else held, capacity)
             if half and (remote is not None or (live & small_at).any()):
-                exe_small = _executable((smalls[0] if smalls is not None else held_small, cols, arrival_time,
-                                         tokens, first[:size], times[:size]), small_cap, width, group, stats,
-                                        skips=skips, window=window)
+                exe_small = chunk_exe(smalls[0] if smalls is not None else held_small, small_cap)
             count = live.reshape(blocks, size).sum(1)      # live runs per block
             if remote is not None:
                 if carries is not None:     # from here on the workers hold the carries
