@@ -344,7 +344,8 @@ HALF_SLOTS_FROM: int | None = None
 # request alive a slot, restarting with twice as many until they fit (the sweep before the
 # window: benchmarks/slot_bound.py compares the two).
 WINDOW = True
-# What a progress bar says while the chunk is loaded or compiled (`_chunk_found`).
+# What a progress bar says while the chunk is loaded or compiled (`_chunk_found`; nothing
+# when it is compiled in this process).
 CHUNK_NOTES = {"store": "loading the compiled replay step",
                None: "compiling the replay step (once per capacity)"}
 # Compiled programs of a sweep (`_compiled`): (function, static arguments, argument shapes,
@@ -723,6 +724,18 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
     with tqdm(total=runs * len(reqs), disable=not progress, desc=label, unit="req") as bar, \
             concurrent.futures.ThreadPoolExecutor(shards) as pool:
         bar.update(int(done.sum()))
+
+        def chunk_exe(state, cap_):
+            """The chunk for this chunk's inputs (`first`, `times`). A fresh start stands
+            still for seconds here: the bar says why."""
+            args = (state, cols, arrival_time, tokens, first[:size], times[:size])
+            note = CHUNK_NOTES.get(_chunk_found(args, cap_, width, group, skips, window)) if progress else None
+            if note:
+                bar.set_postfix_str(note)
+            exe = _executable(args, cap_, width, group, stats, skips=skips, window=window)
+            if note:
+                bar.set_postfix_str("")
+            return exe
         while (done < len(reqs)).any():
             real = ids >= 0
             live = real & (done[np.maximum(ids, 0)] < len(reqs))
@@ -750,18 +763,6 @@ def _replay(trace: Trace, configs: list[SchedulerConfig], cap: dict, vmap_runs: 
                 half_steps += K * int((live & small_at).sum())
             live_steps += K * int(live.sum())
             exe = exe_small = None
-
-            def chunk_exe(state, cap_):
-                # A fresh start stands still for seconds here: the bar says why.
-                args = (state, cols, arrival_time, tokens, first[:size], times[:size])
-                found = _chunk_found(args, cap_, width, group, skips, window) if progress else "process"
-                note = None if found == "process" else CHUNK_NOTES[found]
-                if note:
-                    bar.set_postfix_str(note)
-                exe = _executable(args, cap_, width, group, stats, skips=skips, window=window)
-                if note:
-                    bar.set_postfix_str("")
-                return exe
             if remote is not None or (live & ~small_at).any():
                 exe = chunk_exe(carries[0] if carries is not None else held, capacity)
             if half and (remote is not None or (live & small_at).any()):
