@@ -558,7 +558,7 @@ def _output(d: StepValues, adm, swp, run, v, pairs, counts) -> tuple:
     return slots, pairs, counts
 
 
-schedule_step = jax.jit(schedule_impl, static_argnames=("cap",))
+schedule_step = jax.jit(schedule_impl, static_argnames=("cap", "steady_path"))
 
 
 def schedule(state: SchedulerState, config: SchedulerConfig | Capacity, now) -> tuple[SchedulerState, SchedulerOutput]:

@@ -37,7 +37,7 @@ CHUNK_STEPS = 64
 
 
 def replay_step(state, batch: RequestBatch, now, cap: Capacity, record, check: bool = False,
-                backlog=None):
+                backlog=None, steady_path: bool = True):
     """The one model-free replay step, shared by `simulate` and `sweep`.
 
     add_requests, schedule, update (one token per running sequence, never EOS), then
@@ -53,6 +53,8 @@ def replay_step(state, batch: RequestBatch, now, cap: Capacity, record, check: b
     `overflow` then says the walk may have reached them (no request waiting in a slot before
     `schedule` still waits after it), so the step may differ from vLLM's. Else every row
     must find a slot.
+
+    `steady_path`: `schedule_impl`'s (False: every step takes the general step).
     """
     # Traced for a batch of runs (`batching.runs_axis`, a sweep), the transitions are traced
     # inline, so that their skips are decided once for the batch.
@@ -64,7 +66,7 @@ def replay_step(state, batch: RequestBatch, now, cap: Capacity, record, check: b
     else:
         left = backlog - (batch.valid & ~unplaced).sum(dtype=jnp.int32)
         waiting = state.status == WAITING
-    state, out = (schedule_impl if inline else schedule_step)(state, cap, now)
+    state, out = (schedule_impl if inline else schedule_step)(state, cap, now, steady_path=steady_path)
     flags = invariant_violations(state, out) if check else jnp.zeros((len(CHECKS),), bool)
     state, _, _ = (update_impl if inline else update)(state, out.scheduled, out.num_scheduled_tokens,
                                                       out.is_prefill)

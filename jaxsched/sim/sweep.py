@@ -296,6 +296,15 @@ def _run_record(state, out, overflow):
 def _step(carry, x, cols, arrival_time, tokens, cap, width, window, padding):
     """One replay step of one run (simulate's `replay_step`) and its int32[NUM_COLS] record.
 
+    Every step takes the scheduler's general step (no steady path): its decode-only
+    branches cost the 64-configuration chunk 26 of 409 kernels and 1556 of 12329 HLO
+    instructions, and bought nothing here, where arrivals keep the queues busy. Without
+    them, interleaved A/Bs (`benchmarks/sweep_ab.py --before 83c0be1`) gave 0.99-1.03x
+    (best) and 1.01-1.03x (median) the cost per run-step at 64 configurations, 1.01x
+    (median) pruned and at 1024 pruned, and a compile 0.5-1.1 s shorter (medians of fresh
+    processes). `simulate` keeps the steady path: there its runs cost 0.9x what they cost
+    without it.
+
     Without `window`, the requests arriving at step t go into slots; one that finds none
     voids the run (`overflow` in the record: more slots). With it, arrived requests go into
     free slots oldest first, up to `width` a step, and the rest wait outside them, behind
@@ -313,8 +322,8 @@ def _step(carry, x, cols, arrival_time, tokens, cap, width, window, padding):
         arrived = jnp.searchsorted(cols[0], t, side="right").astype(jnp.int32)
         batch = batch_at(cols, arrival_time, tokens, jnp.searchsorted(cols[0], t, side="left"), arrived, width)
         backlog = None
-    state, (record, finished, index, reason, output_len), _ = replay_step(state, batch, now, cap, _run_record,
-                                                                          backlog=backlog)
+    state, (record, finished, index, reason, output_len), _ = replay_step(
+        state, batch, now, cap, _run_record, backlog=backlog, steady_path=False)
     n = cols.shape[1]
     at = jnp.where(finished, index, n)
     # Rows 0, 1 and 3 in one scatter (a kernel each otherwise).
