@@ -71,9 +71,13 @@ def test_add_refs_and_write_pairs__masked_entries_only_and_padding_dropped():
     assert int(count) == 4
     np.testing.assert_array_equal(out[1], [[1, 11], [2, 12], [3, 13], [7, 17]])
     assert (np.asarray(out[0]) == 99).all()
+    # After `count` pairs already in the row: the new ones follow them, the count is the row's.
+    out, count = bp.write_pairs(pairs, 1, table[1:], table[1:] + 10, mask[1:], count=2)
+    assert int(count) == 4
+    np.testing.assert_array_equal(out[1], [[99, 99], [99, 99], [3, 13], [7, 17]])
 
 
-# Jitted once per shape: eagerly, every call would trace and compile `on_rows`' cond anew.
+# Jitted once per shape: eagerly, every call would trace and compile `on_rows`' loop anew.
 _add_refs = jax.jit(lambda ref, table, mask, delta, groups: bp.add_refs(ref, table, mask, delta,
                                                                         groups=groups))
 _write_pairs = jax.jit(lambda pairs, table, mask, groups: bp.write_pairs(
@@ -82,10 +86,10 @@ _write_pairs = jax.jit(lambda pairs, table, mask, groups: bp.write_pairs(
 
 @jax.jit
 def _bump_rows(groups, table, mask):
-    """A rewrite of the marked rows (put_rows puts back the rows taken)."""
-    def bump(at, rows, mask):
-        return bp.put_rows(table, at, jnp.where(mask, rows + 1, rows))
-    return bp.on_rows(groups, bump, table, mask)
+    """A rewrite of the marked rows (put_rows puts back the rows taken into the carry)."""
+    def bump(at, out, rows, mask):
+        return bp.put_rows(out, at, jnp.where(mask, rows + 1, rows))
+    return bp.on_rows(groups, bump, table, table, mask)
 
 
 @jax.jit
@@ -100,10 +104,10 @@ def _add_refs_batched(ref, table, mask, delta, groups):
 @given(st.integers(0, 2**31 - 1), st.sampled_from([0, 1, 3, bp.FEW_GROUPS, bp.FEW_GROUPS + 1, 20]),
        st.booleans())
 def test_add_refs_write_pairs_put_rows__rows_of_few_groups_equal_the_whole_table(seed, marked, per_entry_delta):
-    """The scatter of the marked groups' rows only (at most FEW_GROUPS), and the whole-table
-    one above that, both give the plain count, the pairs in flat order and the rewritten
-    rows; so do runs of a vmapped batch whose marked counts straddle the bound (the batch
-    takes the whole table when any run needs it)."""
+    """The marked groups' rows taken FEW_GROUPS at a time (none, one trip or three) give the
+    plain count, the pairs in flat order and the rewritten rows; so do runs of a vmapped
+    batch whose marked counts need different numbers of trips (the batch takes the most
+    any run needs)."""
     rng = np.random.default_rng(seed)
     g, s, m, d = 24, 2, 5, 40
 

@@ -66,6 +66,12 @@ def _skips() -> bool:
     return _AXIS.get()[1]
 
 
+def skipping() -> bool:
+    """Whether work no run needs is skipped: always outside `runs_axis`."""
+    ctx = _AXIS.get()
+    return ctx is None or ctx[1]
+
+
 def _select(pred, a, b):
     return jax.tree.map(lambda x, y: jnp.where(pred, x, y), a, b)
 
@@ -83,6 +89,16 @@ def cond(pred, work, skip, *operands, same: bool = False):
     if not _skips():
         return both(*operands)
     return lax.cond(any_run(pred), both, skip, *operands)
+
+
+def fori_loop(trips, body, carry):
+    """`lax.fori_loop(0, trips, body, carry)`, the trips (int32) decided once for a batch of
+    runs: the most any run needs. `body` must leave a run's carry as it is on the trips that
+    run did not need."""
+    axis = current_axis()
+    if axis is not None:
+        trips = lax.pmax(jnp.asarray(trips, jnp.int32), axis)
+    return lax.fori_loop(0, trips, body, carry)
 
 
 def switch(index, branches, *operands, covers: bool = False):

@@ -144,34 +144,40 @@ def first_holder(table: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Arr
     return holder, holder == jnp.arange(s)[None, :, None]
 
 
-# Table work on the rows of at most this many groups instead of the whole table (`on_rows`).
+# Table work goes over the rows of this many groups at a time (`on_rows`).
 FEW_GROUPS = 8
 
 
-def on_rows(groups: jax.Array | None, fn, *tables: jax.Array):
-    """fn(at, *tables), for arrays whose leading axis is the groups, of which only the rows
-    of `groups` (bool[G]; None: all) matter to fn: a scatter of their masked entries, a
-    packing in flat order, a rewrite of their rows; a row of zeros (nothing masked) must
-    change nothing. `at` is None when fn gets the whole tables, else the int32 rows it got
-    (out of range for padding): fn writes rows back with `put_rows(table, at, rows)`.
+def on_rows(groups: jax.Array | None, fn, carry, *tables: jax.Array):
+    """`carry = fn(at, carry, *rows)` over the rows of `groups` (bool[G]; None: all) of
+    `tables`, arrays whose leading axis is the groups and of which only those rows matter to
+    fn: a scatter of their masked entries, a packing in flat order, a rewrite of their rows.
+    A row of zeros (nothing masked) must change nothing. `at` is None when fn gets the whole
+    tables at once, else the int32 rows it got (out of range for padding): fn writes rows
+    back into its carry with `put_rows(table, at, rows)`, and whatever it ranks in flat
+    order it ranks after what the carry counted so far.
 
     NOTE: XLA's scatter walks its updates one by one, masked or not: every entry of a
     [G, S, M] table is about 10 us a step at 128 slots, 0.6 ms for a sweep's batch of 64 runs.
-    A step admits, forks, finishes, preempts or swaps a few groups, so when at most
-    FEW_GROUPS are marked fn gets their rows alone, in order, padded with rows of zeros; else
-    the whole tables (decided once for a batch of runs: `batching.cond`).
+    A step admits, forks, finishes, preempts or swaps a few groups, so fn gets the rows of
+    FEW_GROUPS of them at a time, in order, padded with rows of zeros: one trip for most
+    steps, none for a step that marks none. The trips are a loop rather than a second,
+    whole-table fn under a `lax.cond`: that one was 41 of the sweep chunk's 383 kernels,
+    its trace and lower a fifth. In a batch of runs the loop takes the trips the run that
+    needs most needs (`batching.fori_loop`); without skips, fn gets the whole tables.
     """
     g = tables[0].shape[0]
-    if groups is None or g <= FEW_GROUPS:
-        return fn(None, *tables)
+    if groups is None or g <= FEW_GROUPS or not batching.skipping():
+        return fn(None, carry, *tables)
+    trips = -(-g // FEW_GROUPS)
+    order = jnp.pad(true_indices(groups), (0, trips * FEW_GROUPS - g), constant_values=g)
 
-    def few():
-        rank = jnp.where(groups, mask_rank(groups), FEW_GROUPS)
-        rows = jnp.full((FEW_GROUPS,), g, jnp.int32).at[rank].set(jnp.arange(g, dtype=jnp.int32),
-                                                                     mode="drop")
-        return fn(rows, *(jnp.take(x, rows, axis=0, mode="fill", fill_value=0) for x in tables))
+    def trip(i, carry):
+        rows = lax.dynamic_slice_in_dim(order, i * FEW_GROUPS, FEW_GROUPS)
+        return fn(rows, carry, *(jnp.take(x, rows, axis=0, mode="fill", fill_value=0) for x in tables))
 
-    return batching.cond(groups.sum() > FEW_GROUPS, lambda: fn(None, *tables), few, same=True)
+    marked = groups.sum(dtype=jnp.int32)
+    return batching.fori_loop((marked + FEW_GROUPS - 1) // FEW_GROUPS, trip, carry)
 
 
 def put_rows(table: jax.Array, at: jax.Array | None, rows: jax.Array) -> jax.Array:
@@ -186,25 +192,27 @@ def add_refs(ref_count: jax.Array, table: jax.Array, mask: jax.Array, delta,
     size = ref_count.shape[0]
     delta = jnp.asarray(delta, jnp.int32)
 
-    def scatter(_, table, mask, *per_entry):
+    def scatter(_, ref_count, table, mask, *per_entry):
         idx = jnp.where(mask, table, size).reshape(-1)
         add = jnp.broadcast_to(per_entry[0] if per_entry else delta, mask.shape).reshape(-1)
         return ref_count.at[idx].add(add, mode="drop")
 
-    return on_rows(groups, scatter, table, mask, *((delta,) if delta.ndim else ()))
+    return on_rows(groups, scatter, ref_count, table, mask, *((delta,) if delta.ndim else ()))
 
 
 def write_pairs(pairs: jax.Array, row: int, src: jax.Array, dst: jax.Array, mask: jax.Array,
-                groups: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """Pack masked (src, dst) pairs, in flat order, into the padded list pairs[row];
-    `groups` (bool, the leading axis) marks the only rows with masked entries (`on_rows`).
+                groups: jax.Array | None = None, count=0) -> tuple[jax.Array, jax.Array]:
+    """Pack masked (src, dst) pairs, in flat order, into the padded list pairs[row] after
+    the first `count`; `groups` (bool, the leading axis) marks the only rows with masked
+    entries (`on_rows`).
 
-    `pairs` is int32[R, P, 2], already padded; returns it and the number of pairs written.
+    `pairs` is int32[R, P, 2], already padded; returns it and the number of pairs in the row.
     """
-    def pack(_, src, dst, mask):
+    def pack(_, carry, src, dst, mask):
+        pairs, count = carry
         mask = mask.reshape(-1)
-        where_to = jnp.where(mask, mask_rank(mask), pairs.shape[1])
+        where_to = jnp.where(mask, count + mask_rank(mask), pairs.shape[1])
         update = jnp.stack([src.reshape(-1), dst.reshape(-1)], axis=-1)
-        return pairs.at[row, where_to].set(update, mode="drop"), mask.sum(dtype=jnp.int32)
+        return pairs.at[row, where_to].set(update, mode="drop"), count + mask.sum(dtype=jnp.int32)
 
-    return on_rows(groups, pack, src, dst, mask)
+    return on_rows(groups, pack, (pairs, jnp.asarray(count, jnp.int32)), src, dst, mask)

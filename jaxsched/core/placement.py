@@ -93,11 +93,12 @@ def _fresh_tables(blk: Blocks, pairs, seq_alive, num_tokens, d, share, blocks, f
     _, s, width = blk.block_table.shape
     seq = jnp.arange(s, dtype=jnp.int32)[None, :, None]
 
-    def rows(at, table, num_blocks, valid, holder, is_first, alive, tokens, admitted,
+    def rows(at, carry, table, num_blocks, valid, holder, is_first, alive, tokens, admitted,
              swapped_in, swap_ignored, leader, n_live, prompt_blocks):
+        # `taken`: the fresh entries of the rows before these, which took the blocks ranked
+        # first; `count`: the swap-in pairs written for them.
+        out, pairs, count, taken = carry
         host_rows = table           # a swapped group's row holds its host blocks
-        # Scatters over the whole table still take the rows of their own groups only.
-        groups = (lambda mask: mask) if at is None else (lambda mask: None)
         adm_valid, adm_holder, adm_blocks, adm_rank = _admitted_entries(
             alive, tokens, leader, n_live, prompt_blocks, admitted, width, block_size)
         swap_valid = valid & swapped_in[:, None, None]
@@ -108,30 +109,31 @@ def _fresh_tables(blk: Blocks, pairs, seq_alive, num_tokens, d, share, blocks, f
         holder = jnp.where(admitted[:, None, None], adm_holder, holder)
         leaving = swapped_in | swap_ignored
 
-        def with_swaps(pairs):
+        def with_swaps(pairs, count):
             # Ranks in flat order over the rows taken are ranks over the table.
-            fresh_id = take_ranked(blocks, first_rank + mask_rank(fresh), fresh)
-            host_ref = add_refs(blk.host_ref, host_rows, valid & leaving[:, None, None], -1,
-                                groups=groups(leaving))
-            pairs, count = write_pairs(pairs, SWAP_IN, host_rows, fresh_id, swap_fresh,
-                                       groups=groups(swapped_in))
+            fresh_id = take_ranked(blocks, first_rank + taken + mask_rank(fresh), fresh)
+            host_ref = add_refs(out.host_ref, host_rows, valid & leaving[:, None, None], -1)
+            pairs, count = write_pairs(pairs, SWAP_IN, host_rows, fresh_id, swap_fresh, count=count)
             return fresh_id, host_ref, pairs, count
 
-        def admissions_only(pairs):
-            return take_ranked(blocks, first_rank + adm_rank, adm_fresh), blk.host_ref, pairs, jnp.int32(0)
+        def admissions_only(pairs, count):
+            return take_ranked(blocks, first_rank + taken + adm_rank, adm_fresh), out.host_ref, pairs, count
 
-        fresh_id, host_ref, pairs_out, count = batching.cond(leaving.any(), with_swaps, admissions_only,
-                                                             pairs, same=True)
+        fresh_id, host_ref, pairs, count = batching.cond(leaving.any(), with_swaps, admissions_only,
+                                                         pairs, count, same=True)
         mapped = jnp.where(new_valid, jnp.take_along_axis(fresh_id, holder, axis=1), 0)
-        device_ref = add_refs(blk.device_ref, mapped, new_valid, 1, groups=groups(admitted | swapped_in))
+        device_ref = add_refs(out.device_ref, mapped, new_valid, 1)
         table = jnp.where((admitted | leaving)[:, None, None], mapped, table)
         num_blocks = jnp.where(admitted[:, None], adm_blocks, num_blocks)
-        return (Blocks(put_rows(blk.block_table, at, table), put_rows(blk.num_blocks, at, num_blocks),
-                       device_ref, host_ref), pairs_out, count)
+        out = Blocks(put_rows(out.block_table, at, table), put_rows(out.num_blocks, at, num_blocks),
+                     device_ref, host_ref)
+        return out, pairs, count, taken + fresh.sum(dtype=jnp.int32)
 
-    return on_rows(admitted | swapped_in | swap_ignored, rows, blk.block_table, blk.num_blocks,
-                   *share, seq_alive, num_tokens, admitted, swapped_in, swap_ignored,
-                   d.leader, d.n_live, d.prompt_blocks)
+    blk, pairs, count, _ = on_rows(
+        admitted | swapped_in | swap_ignored, rows, (blk, pairs, jnp.int32(0), jnp.int32(0)),
+        blk.block_table, blk.num_blocks, *share, seq_alive, num_tokens, admitted, swapped_in,
+        swap_ignored, d.leader, d.n_live, d.prompt_blocks)
+    return blk, pairs, count
 
 
 def _appends(d: dict, decoding):

@@ -115,19 +115,22 @@ def free_victims(blk: Blocks, pairs, v: Victims, share, num_host_active):
     # flat order over the rows taken are ranks over the table (untaken rows hold none).
     free_host = free_list(blk.host_ref, num_host_active)
 
-    def victims_rows(at, table, valid, holder, is_first, victim, swap):
-        device_ref = add_refs(blk.device_ref, table, valid & victim[:, None, None], -1)
+    def victims_rows(at, carry, table, valid, holder, is_first, victim, swap):
+        block_table, device_ref, host_ref, pairs, count = carry
+        device_ref = add_refs(device_ref, table, valid & victim[:, None, None], -1)
         entries = valid & swap[:, None, None]
         fresh = entries & is_first
-        host_new = jnp.take_along_axis(take_ranked(free_host, mask_rank(fresh), fresh), holder, axis=1)
+        # The `count` fresh entries of the rows before these took the lowest free host blocks.
+        host_new = jnp.take_along_axis(take_ranked(free_host, count + mask_rank(fresh), fresh), holder, axis=1)
         rows = jnp.where(victim[:, None, None], jnp.where(entries, host_new, 0), table)
-        host_ref = add_refs(blk.host_ref, rows, entries, 1)
-        out, count = write_pairs(pairs, SWAP_OUT, table, host_new, fresh)
-        return put_rows(blk.block_table, at, rows), device_ref, host_ref, out, count
+        host_ref = add_refs(host_ref, rows, entries, 1)
+        pairs, count = write_pairs(pairs, SWAP_OUT, table, host_new, fresh, count=count)
+        return put_rows(block_table, at, rows), device_ref, host_ref, pairs, count
 
     victims = v.recompute | v.swap
     block_table, device_ref, host_ref, pairs, count = on_rows(
-        victims, victims_rows, blk.block_table, valid, holder, is_first, victims, v.swap)
+        victims, victims_rows, (blk.block_table, blk.device_ref, blk.host_ref, pairs, jnp.int32(0)),
+        blk.block_table, valid, holder, is_first, victims, v.swap)
     return blk._replace(block_table=block_table, device_ref=device_ref, host_ref=host_ref), pairs, count
 
 
