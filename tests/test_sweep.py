@@ -23,6 +23,7 @@ import pytest
 
 from jaxsched import simulate, summarize
 from jaxsched.entrypoints.cli_sweep import register
+from jaxsched.core import block_pool as bp
 from jaxsched.core.costs import PreemptionCosts
 from jaxsched.core.xla_options import LEAN_PASSES, LLVM_O2, replay_options
 from jaxsched.sim import sweep as sw
@@ -107,6 +108,29 @@ def test_sweep__drained_runs_leave_the_vmapped_batch(vmapped):
     assert 0 < stats["compile_s"] < stats["wall_s"] and stats["run_s"] > 0
     assert min(stats["trace_s"], stats["lower_s"], stats["xla_s"]) > 0
     assert stats["trace_s"] + stats["lower_s"] + stats["xla_s"] == pytest.approx(stats["compile_s"])
+
+
+# 22 short requests at once, then 2 of n=2 later: a step admits 21 groups, preempts, swaps
+# out or in 10 and finishes 10-15 at once, so `block_pool.on_rows` takes its rows in several
+# trips of FEW_GROUPS (and a vmapped batch, as many as its runs' most).
+BURST = dict(config=dict(TRACE["config"], max_num_seqs=24),
+             requests=[dict(id=f"b{i:02d}", arrival_step=0, prompt_len=6, max_tokens=20, n=1) for i in range(22)]
+             + [dict(id=f"b{i:02d}", arrival_step=30, prompt_len=20, max_tokens=12, n=1 + i % 2) for i in (22, 23)])
+BURST_GRID = dict(num_device_blocks=[22, 24, 32], max_num_seqs=[12, 24], preemption_mode=["recompute", "swap"])
+
+
+def test_sweep__steps_that_move_more_groups_than_one_trip_of_rows_equal_simulate(vmapped):
+    many = lambda result, key: max(len(s[key]) for s in result["steps"])           # noqa: E731
+    config = dict(BURST["config"], num_device_blocks=22, preemption_mode="swap")
+    result = simulate(config, BURST["requests"], capacity=CAPACITY)
+    assert min(many(result, k) for k in ("scheduled", "preempted", "swapped_in", "finished")) > bp.FEW_GROUPS
+    for kwargs in (dict(vmap_runs=16, threads=2), dict(prune=False)):
+        rows = sweep(BURST, **BURST_GRID, capacity=CAPACITY, progress=False, **kwargs)
+        assert len(rows) == 12
+        for row in rows:
+            want = expected_row(row, trace=BURST)
+            want.pop("host_blocks_returned")
+            assert {k: row[k] for k in want} == want, (kwargs, row)
 
 
 def test_sweep__compiles_once_per_shape(vmapped, monkeypatch):
