@@ -110,7 +110,7 @@ def test_sweep__drained_runs_leave_the_vmapped_batch(vmapped):
     assert stats["trace_s"] + stats["lower_s"] + stats["xla_s"] == pytest.approx(stats["compile_s"])
 
 
-# 22 short requests at once, then 2 of n=2 later: a step admits 21 groups, preempts, swaps
+# 22 short requests at once, then two later (one of n=2): a step admits 21 groups, preempts, swaps
 # out or in 10 and finishes 10-15 at once, so `block_pool.on_rows` takes its rows in several
 # trips of FEW_GROUPS (and a vmapped batch, as many as its runs' most).
 BURST = dict(config=dict(TRACE["config"], max_num_seqs=24),
@@ -120,6 +120,8 @@ BURST_GRID = dict(num_device_blocks=[22, 24, 32], max_num_seqs=[12, 24], preempt
 
 
 def test_sweep__steps_that_move_more_groups_than_one_trip_of_rows_equal_simulate(vmapped):
+    """Vmapped (after the fixture's sweep, whose batch shapes it shares) and on the map path
+    with every configuration run, each row is `simulate`'s of its configuration."""
     many = lambda result, key: max(len(s[key]) for s in result["steps"])           # noqa: E731
     config = dict(BURST["config"], num_device_blocks=22, preemption_mode="swap")
     result = simulate(config, BURST["requests"], capacity=CAPACITY)

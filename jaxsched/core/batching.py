@@ -62,10 +62,6 @@ def any_run(pred) -> jax.Array:
     return lax.pmax(jnp.asarray(pred).astype(jnp.int32), axis) > 0
 
 
-def _skips() -> bool:
-    return _AXIS.get()[1]
-
-
 def skipping() -> bool:
     """Whether work no run needs is skipped: always outside `runs_axis`."""
     ctx = _AXIS.get()
@@ -86,7 +82,7 @@ def cond(pred, work, skip, *operands, same: bool = False):
 
     def both(*ops):
         return work(*ops) if same else _select(pred, work(*ops), skip(*ops))
-    if not _skips():
+    if not skipping():
         return both(*operands)
     return lax.cond(any_run(pred), both, skip, *operands)
 
@@ -122,7 +118,7 @@ def switch(index, branches, *operands, covers: bool = False):
                 out = _select(index == j, branches[j](*ops), out)
             return out
         return branch
-    if not _skips():            # the costliest branch, which covers (or selects) the others
+    if not skipping():            # the costliest branch, which covers (or selects) the others
         return upto(len(branches) - 1)(*operands)
     top = lax.pmax(jnp.asarray(index, jnp.int32), current_axis())
     return lax.switch(top, [upto(k) for k in range(len(branches))], *operands)
