@@ -10,7 +10,7 @@
     state, freed = jaxsched.free_finished(state)
     rows = jaxsched.sweep(trace, num_device_blocks="64:1024:64", max_num_seqs=[8, 16])
 
-The front end (`LLM`, `SamplingParams`, `RequestOutput`, `CompletionOutput`) is imported on
+The front end (`LLM`, `SamplingParams`, `RequestOutput`, `CompletionOutput`, `Logprob`) is imported on
 first use, so the scheduler alone does not load Flax or the model code.
 """
 from jaxsched.core.config import Capacity, SchedulerConfig
@@ -23,7 +23,8 @@ from jaxsched.sim.trace import TraceError, load_trace, parse_trace
 from jaxsched.sim.sweep import sweep  # noqa: E402  (the function; the module stays importable by path)
 
 _FRONT_END = {"LLM": "jaxsched.entrypoints.llm", "SamplingParams": "jaxsched.engine.params",
-              "RequestOutput": "jaxsched.engine.params", "CompletionOutput": "jaxsched.engine.params"}
+              "RequestOutput": "jaxsched.engine.params", "CompletionOutput": "jaxsched.engine.params",
+              "Logprob": "jaxsched.engine.params"}
 
 
 def __getattr__(name: str):
@@ -40,5 +41,5 @@ __all__ = [
     "add_requests", "free_finished", "make_batch", "update", "SchedulerOutput", "schedule",
     "schedule_step", "simulate", "summarize", "Limits", "SchedulerState", "init_state",
     "set_limits", "TraceError", "load_trace", "parse_trace", "sweep",
-    "LLM", "SamplingParams", "RequestOutput", "CompletionOutput",
+    "LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
 ]

@@ -239,12 +239,14 @@ def test_engine__stop_tokens_min_tokens_and_logprobs(model):
     prompt = make_prompts(1, seed=5)[0]
     free = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, logprobs=1), use_tqdm=False)[0]
     toks = free.outputs[0].token_ids
-    assert len(free.outputs[0].logprobs) == 12 and all(lp <= 0 for lp in free.outputs[0].logprobs)
+    assert len(free.outputs[0].logprobs) == 12
+    assert all(entry[t].logprob <= 0 for t, entry in zip(toks, free.outputs[0].logprobs))
     stop = toks[5]
     first = toks.index(stop)
     stopped = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=(stop,)),
                            use_tqdm=False)[0].outputs[0]
     assert stopped.token_ids == toks[:first + 1] and stopped.finish_reason == "stop"
+    assert stopped.stop_reason == stop
     late = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=(stop,),
                                                  min_tokens=first + 1), use_tqdm=False)[0].outputs[0]
     assert len(late.token_ids) > first + 1 and stop not in late.token_ids[:first + 1]

@@ -25,8 +25,13 @@ class _Detok:
 
 
 class _Tokenizer:
+    eos_token_id = None
+
     def detokenizer(self, ids, skip_special_tokens=True):
         return _Detok()
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(ord("a") + t - 1) for t in ids)
 
 
 def make_processor(tokenizer=None, num_slots=SLOTS, rows=2, max_model_len=16):
@@ -159,3 +164,56 @@ def test_stats__counts_a_step_and_its_peaks():
     assert (d["peak_device_blocks"], d["peak_host_blocks"]) == (12, 3)
     assert (d["compile_seconds"], d["engine_seconds"]) == (2.0, 0.5)
     assert stats.counts["tokens_run"] == 7
+
+
+def test_special_tokens__out_of_the_text_unless_asked_and_a_stop_tokens_text_as_vllm():
+    """With the real tokenizer: EOS (a special token) ends a sequence with stop_reason None and
+    no text of its own; skip_special_tokens=False with include_stop_str_in_output shows it."""
+    import pytest
+    from models.gguf import find_smollm2_gguf
+    from models.tokenizer import Tokenizer
+    try:
+        tok = Tokenizer.from_gguf_file(find_smollm2_gguf())
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    hello, eos = tok.encode("Hello", add_special_tokens=False), tok.eos_token_id
+    texts = {}
+    for skip, keep in ((True, False), (True, True), (False, True), (False, False)):
+        proc = make_processor(tokenizer=tok)
+        proc.add_request("r", None, [1], SamplingParams(max_tokens=8, skip_special_tokens=skip,
+                                                        include_stop_str_in_output=keep))
+        proc.new_requests(0.0)
+        index, first = np.array([0, -1, -1, -1], np.int32), np.eye(SLOTS, SEQS, dtype=bool)
+        for t in hello:
+            proc.process_outputs(step_output(request_index=index, has_token=first,
+                                             new_token=np.full((SLOTS, SEQS), t, np.int32)))
+        reason = np.zeros((SLOTS, SEQS), np.int32)
+        reason[0, 0] = FinishReason.STOPPED
+        got, _ = proc.process_outputs(step_output(
+            request_index=index, has_token=first, new_token=np.full((SLOTS, SEQS), eos, np.int32),
+            seq_finish_reason=reason, finished=np.arange(SLOTS) == 0,
+            finish_reason=np.where(np.arange(SLOTS) == 0, FinishReason.STOPPED, 0)))
+        out = got[0].outputs[0]
+        assert out.token_ids == hello + [eos] and out.finish_reason == "stop" and out.stop_reason is None
+        texts[skip, keep] = out.text
+    assert texts[True, False] == texts[True, True] == texts[False, False] == "Hello"
+    assert texts[False, True] == "Hello" + tok.eos_token
+
+
+def test_stop_token_id__reason_is_the_id_and_its_text_is_left_out():
+    proc = make_processor(tokenizer=_Tokenizer())
+    proc.add_request("s", "x", [1], SamplingParams(stop_token_ids=[3], max_tokens=10))
+    proc.add_request("k", "x", [1], SamplingParams(stop_token_ids=[3], max_tokens=10,
+                                                   include_stop_str_in_output=True))
+    proc.new_requests(0.0)
+    index, has = np.array([0, 1, -1, -1], np.int32), np.eye(SLOTS, SEQS, dtype=bool) | np.eye(SLOTS, SEQS, -1, dtype=bool)
+    proc.process_outputs(step_output(request_index=index, has_token=has, new_token=np.full((SLOTS, SEQS), 1, np.int32)))
+    reason = np.zeros((SLOTS, SEQS), np.int32)
+    reason[:2, 0] = FinishReason.STOPPED
+    got, _ = proc.process_outputs(step_output(
+        request_index=index, has_token=has, new_token=np.full((SLOTS, SEQS), 3, np.int32),
+        seq_finish_reason=reason, finished=np.arange(SLOTS) < 2,
+        finish_reason=np.where(np.arange(SLOTS) < 2, FinishReason.STOPPED, 0)))
+    left_out, kept = (o.outputs[0] for o in got)
+    assert left_out.token_ids == kept.token_ids == [1, 3]
+    assert (left_out.text, kept.text) == ("a", "ac") and left_out.stop_reason == kept.stop_reason == 3

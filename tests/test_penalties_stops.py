@@ -1,4 +1,6 @@
-"""Penalties (on device, vLLM V0's formulas) and stop strings (on the host), offline."""
+"""Penalties (on device, vLLM V0's formulas), stop strings and tokens (on the host), and vLLM's
+other sampling and output fields (best_of, logprobs as dicts, stop_reason, detokenize,
+truncate_prompt_tokens), offline."""
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -114,15 +116,82 @@ def test_stop_strings_cut_the_text_and_finish_early(llm):
     assert len(held.token_ids) >= 23
 
 
-def test_top_logprobs_best_first_and_greedy_token_on_top(llm):
+def test_logprobs__vllms_dicts_best_first_with_ranks_and_text(llm):
     out = _greedy(llm, [3, 4, 5], logprobs=3)
-    assert len(out.top_logprobs) == len(out.token_ids) == 24
-    for tok, lp, top in zip(out.token_ids, out.logprobs, out.top_logprobs):
-        ids, lps = list(top), list(top.values())
-        assert len(ids) == 3 and lps == sorted(lps, reverse=True) and all(x <= 0 for x in lps)
-        assert ids[0] == tok and abs(lps[0] - lp) < 1e-5          # greedy: the sampled one is best
-    assert _greedy(llm, [3, 4, 5], logprobs=0).top_logprobs is None
-    assert _greedy(llm, [3, 4, 5]).token_ids == out.token_ids
+    assert len(out.logprobs) == len(out.token_ids) == 24
+    for tok, entry in zip(out.token_ids, out.logprobs):
+        assert list(entry)[0] == tok                               # vLLM's order: the sampled one first
+        ranked = sorted(entry.items(), key=lambda e: e[1].rank)
+        assert [lp.rank for _, lp in ranked] == [1, 2, 3]
+        values = [lp.logprob for _, lp in ranked]
+        assert values == sorted(values, reverse=True) and all(x <= 0 for x in values)
+        assert ranked[0][0] == tok and len(entry) == 3            # greedy: the sampled one is best
+        assert all(lp.decoded_token == llm.tokenizer.decode([t], skip_special_tokens=True)
+                   for t, lp in entry.items())
+    assert out.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(out.token_ids, out.logprobs)))
+    # logprobs=0: the sampled token's only, unranked (the step ranks the top k only).
+    zero = _greedy(llm, [3, 4, 5], logprobs=0)
+    assert all(list(e) == [t] and e[t].rank is None for t, e in zip(zero.token_ids, zero.logprobs))
+    plain = _greedy(llm, [3, 4, 5])
+    assert plain.logprobs is None and plain.token_ids == out.token_ids
+    assert plain.cumulative_logprob == pytest.approx(out.cumulative_logprob, abs=1e-4)
+
+
+def test_stops__stop_reason_and_include_stop_str_in_output_as_vllm(llm):
+    full = _greedy(llm, [9, 10, 11])
+    text, toks = full.text, full.token_ids
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    got = _greedy(llm, [9, 10, 11], stop=[stop])
+    assert got.stop_reason == stop and got.finish_reason == "stop"
+    kept = _greedy(llm, [9, 10, 11], stop=[stop], include_stop_str_in_output=True)
+    assert kept.text == text[:text.find(stop) + len(stop)] and kept.stop_reason == stop
+    assert kept.token_ids == got.token_ids
+    # A stop token id: its id is the last token, its text left out unless asked for.
+    k = next(i for i in range(3, 24) if llm.tokenizer.decode([toks[i]]).strip() and toks[i] not in toks[:i])
+    at = _greedy(llm, [9, 10, 11], stop_token_ids=[toks[k]])
+    assert at.token_ids == toks[:k + 1] and at.stop_reason == toks[k] and at.finish_reason == "stop"
+    assert at.text == llm.tokenizer.decode(toks[:k], skip_special_tokens=True)
+    with_it = _greedy(llm, [9, 10, 11], stop_token_ids=[toks[k]], include_stop_str_in_output=True)
+    assert with_it.text == llm.tokenizer.decode(toks[:k + 1], skip_special_tokens=True)
+    assert full.stop_reason is None and full.finish_reason == "length"
+
+
+def test_best_of__returns_the_n_most_likely_of_best_of_samples(llm):
+    prompt = [7, 8, 9]
+    every = llm.generate([prompt], SamplingParams(n=4, max_tokens=8, seed=11, ignore_eos=True),
+                         use_tqdm=False)[0].outputs
+    assert len({tuple(c.token_ids) for c in every}) > 1          # the samples differ
+    best = llm.generate([prompt], SamplingParams(n=2, best_of=4, max_tokens=8, seed=11, ignore_eos=True),
+                        use_tqdm=False)[0].outputs
+    want = sorted(every, key=lambda c: -c.cumulative_logprob)[:2]
+    assert [c.token_ids for c in best] == [c.token_ids for c in want]
+    assert [c.index for c in best] == [c.index for c in want]
+    assert best[0].cumulative_logprob >= best[1].cumulative_logprob
+    # best_of is what the engine samples, so its limits bound it.
+    with pytest.raises(ValueError, match=r"SamplingParams.best_of: 8 exceeds max_num_seqs=8|"
+                                         r"SamplingParams.best_of: 8 exceeds the engine's max_seqs_per_group=4"):
+        llm.generate([prompt], SamplingParams(n=2, best_of=8), use_tqdm=False)
+    assert not llm.has_unfinished()
+
+
+def test_detokenize_false_and_truncate_prompt_tokens(llm):
+    ids = _greedy(llm, [3, 4, 5], detokenize=False, logprobs=1)
+    assert ids.text == "" and len(ids.token_ids) == 24
+    assert all(lp.decoded_token is None for e in ids.logprobs for lp in e.values())
+    short = llm.generate([list(range(3, 13))], SamplingParams(max_tokens=2, truncate_prompt_tokens=4),
+                         use_tqdm=False)[0]
+    assert short.prompt_token_ids == [9, 10, 11, 12]
+
+
+@pytest.mark.parametrize("field,value", [("use_beam_search", True), ("length_penalty", 0.5),
+                                         ("early_stopping", True), ("prompt_logprobs", 1),
+                                         ("logits_processors", [lambda ids, logits: logits]),
+                                         ("best_of", 1), ("truncate_prompt_tokens", 0),
+                                         ("skip_special_tokens", "no")])
+def test_vllm_fields_jaxsched_lacks_are_one_clear_error(field, value):
+    kw = {field: value, "n": 2} if field == "best_of" else {field: value}
+    with pytest.raises(ValueError, match=f"SamplingParams.{field}:"):
+        SamplingParams(**kw)
 
 
 def test_logprobs_limit_names_the_field():

@@ -253,6 +253,42 @@ def test_logprobs(server):
     assert content[0].top_logprobs[0].logprob == pytest.approx(content[0].logprob, abs=1e-4)
 
 
+def test_vllm_fields_best_of_echo_stop_reason_truncation(server, offline):
+    client = _client(server)
+    ids = offline.tokenizer.encode(PROMPTS[2])
+    # best_of: the most likely of 3 seeded samples, as offline; choices numbered from 0.
+    best = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=6, temperature=1.0, seed=5,
+                                     n=1, best_of=3)
+    want = offline.generate([ids], SamplingParams(max_tokens=6, seed=5, n=1, best_of=3), use_tqdm=False)[0]
+    assert [c.index for c in best.choices] == [0] and best.choices[0].text == want.outputs[0].text
+    assert best.usage.completion_tokens == len(want.outputs[0].token_ids)
+    # echo: the prompt's text, then the completion's, whole and streamed; token-id prompts decoded.
+    kw = dict(model=MODEL, max_tokens=5, temperature=0)
+    plain = client.completions.create(prompt=PROMPTS[0], **kw).choices[0].text
+    assert client.completions.create(prompt=PROMPTS[0], echo=True, **kw).choices[0].text == PROMPTS[0] + plain
+    chunks = client.completions.create(prompt=PROMPTS[0], echo=True, stream=True, **kw)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == PROMPTS[0] + plain
+    echoed = client.completions.create(prompt=offline.tokenizer.encode(PROMPTS[0]), echo=True, **kw)
+    assert echoed.choices[0].text == offline.tokenizer.decode(offline.tokenizer.encode(PROMPTS[0])) + plain
+    # stop_reason (vLLM's extra field) and include_stop_str_in_output.
+    full = client.completions.create(prompt=PROMPTS[3], max_tokens=24, model=MODEL, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0]
+    stop = _a_stop_string(full.text)
+    for keep in (False, True):
+        got = client.completions.create(prompt=PROMPTS[3], max_tokens=24, model=MODEL, temperature=0, stop=stop,
+                                        extra_body={"ignore_eos": True, "include_stop_str_in_output": keep})
+        c = got.choices[0].model_dump()
+        assert c["text"] == full.text[:full.text.find(stop) + (len(stop) if keep else 0)]
+        assert c["finish_reason"] == "stop" and c["stop_reason"] == stop
+    assert full.model_dump()["stop_reason"] is None
+    # truncate_prompt_tokens keeps the prompt's last tokens (usage counts what ran).
+    short = client.completions.create(prompt=PROMPTS[0], extra_body={"truncate_prompt_tokens": 2}, **kw)
+    assert short.usage.prompt_tokens == 2
+    # logprobs' text offsets point at each token in the text.
+    lp = client.completions.create(prompt=PROMPTS[0], logprobs=1, **kw).choices[0].logprobs
+    assert lp.text_offset == [len("".join(lp.tokens[:j])) for j in range(len(lp.tokens))]
+
+
 def _a_stop_string(text: str) -> str:
     """A word from the middle of a greedy output: generation must end right before it."""
     words = text.split()
@@ -292,6 +328,17 @@ BAD = [
     ({"model": MODEL, "prompt": "x" * (2 << 20)}, "body"),                            # over the size limit
     ({"model": MODEL}, "prompt"),
     ({"model": MODEL, "messages": []}, "messages"),
+    # vLLM's fields and OpenAI's that jaxsched does not do: a 400 each, never ignored.
+    ({"model": MODEL, "prompt": "x", "n": 2, "best_of": 1}, "best_of"),
+    ({"model": MODEL, "prompt": "x", "best_of": 2, "stream": True}, "best_of"),
+    ({"model": MODEL, "prompt": "x", "use_beam_search": True}, "use_beam_search"),
+    ({"model": MODEL, "prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {"50256": -100}}, "logit_bias"),
+    ({"model": MODEL, "prompt": "x", "suffix": "end"}, "suffix"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+     "response_format"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+      "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
 ]
 
 

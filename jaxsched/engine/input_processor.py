@@ -19,7 +19,7 @@ from jaxsched.engine.step import NewRequests, SamplingRows
 _BATCH_COLUMNS = {
     "request_index": (np.int32, lambda req: req.index),
     "prompt_len": (np.int32, lambda req: len(req.prompt_ids)),
-    "n": (np.int32, lambda req: req.params.n),
+    "n": (np.int32, lambda req: req.params.best_of),     # sampled; the best n returned
     "max_tokens": (np.int32, lambda req: req.params.max_tokens),
 }
 _SAMPLING_COLUMNS = {

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Optional
+import functools
+from typing import Callable, Optional
 
 import numpy as np
 
 from jaxsched.core.state import IGNORE_REASONS, FinishReason
 from jaxsched.engine.input_processor import pack_new_requests
-from jaxsched.engine.params import CompletionOutput, RequestOutput, SamplingParams
+from jaxsched.engine.params import CompletionOutput, Logprob, RequestOutput, SamplingParams
 from jaxsched.engine.stats import EngineStats
 from jaxsched.engine.step import NewRequests
 
@@ -30,6 +31,8 @@ FINISH = {FinishReason.LENGTH_CAPPED: "length", FinishReason.STOPPED: "stop",
 
 @dataclasses.dataclass
 class RequestState:
+    """One request on the host. The engine samples `params.best_of` sequences; `output` gives
+    the `params.n` with the highest cumulative log-probability (all of them when equal)."""
     index: int                 # the engine's id of the request (StepOutput.request_index)
     request_id: str
     prompt: Optional[str]
@@ -43,40 +46,66 @@ class RequestState:
     finished: bool = False
     message: Optional[str] = None
     text_stopped: set = dataclasses.field(default_factory=set)   # sequences cut at a stop string
-    top_logprobs: list = dataclasses.field(default_factory=list)  # per sequence, when logprobs > 0
+    logprob_dicts: list = dataclasses.field(default_factory=list)  # per sequence, with logprobs
+    stop_reasons: list = dataclasses.field(default_factory=list)  # per sequence: str, int or None
+    decode: Optional[Callable[[int], str]] = None                 # a token's text, for Logprob
+    eos: Optional[int] = None                                     # the model's EOS token id
 
     def output(self) -> RequestOutput:
-        outs = []
-        for i in range(self.params.n):
-            lp = self.logprobs[i] if self.params.logprobs is not None else None
-            outs.append(CompletionOutput(
-                index=i, token_ids=list(self.tokens[i]), text=self.text[i] if self.detok else None,
-                finish_reason=self.reasons[i], logprobs=list(lp) if lp is not None else None,
-                cumulative_logprob=float(sum(lp)) if lp is not None else None,
-                top_logprobs=list(self.top_logprobs[i]) if self.top_logprobs else None))
+        outs = [self._sequence(i) for i in range(self.params.best_of)]
+        if self.params.best_of > self.params.n:
+            # vLLM's order: by cumulative log-probability, best first (a stable sort).
+            outs = sorted(outs, key=lambda c: -c.cumulative_logprob)[:self.params.n]
         return RequestOutput(self.request_id, self.prompt, list(self.prompt_ids), outs,
                              self.finished, self.message)
+
+    def _sequence(self, i: int) -> CompletionOutput:
+        return CompletionOutput(
+            index=i, token_ids=list(self.tokens[i]), text=self.text[i],
+            finish_reason=self.reasons[i], cumulative_logprob=float(sum(self.logprobs[i])),
+            logprobs=(list(self.logprob_dicts[i]) if self.logprob_dicts else [])
+            if self.params.logprobs is not None else None,
+            stop_reason=self.stop_reasons[i] if self.stop_reasons else None)
 
 
 def finish(req: RequestState, reasons, message: Optional[str] = None) -> None:
     """Mark `req` finished with per-sequence `reasons` (a stop string's "stop" kept)."""
     req.finished = True
-    req.reasons = [req.reasons[i] or reasons[i] for i in range(req.params.n)]
+    req.reasons = [req.reasons[i] or reasons[i] for i in range(req.params.best_of)]
     req.message = message
     for i, d in enumerate(req.detok):
         if i not in req.text_stopped:            # cut at a stop string: nothing follows
             req.text[i] += d.flush()
 
 
+def _stop_reason(req: RequestState, i: int, stop: str | int | None) -> None:
+    if not req.stop_reasons:
+        req.stop_reasons = [None] * req.params.best_of
+    req.stop_reasons[i] = stop
+
+
 def cut_at_stop(req: RequestState, i: int, before: int) -> None:
-    """vLLM's stop strings: the text ends before the first one (searched from the new text)."""
+    """vLLM's stop strings: the text ends before the first one (searched from the new text),
+    or after it with `include_stop_str_in_output`."""
     text = req.text[i]
-    hits = [k for s in req.params.stop
+    hits = [(k, n, s) for n, s in enumerate(req.params.stop)
             if (k := text.find(s, max(0, before - len(s) + 1))) != -1]
     if hits:
-        req.text[i] = text[:min(hits)]
+        k, _, s = min(hits)
+        req.text[i] = text[:k + len(s)] if req.params.include_stop_str_in_output else text[:k]
         req.reasons[i] = "stop"
         req.text_stopped.add(i)
+        _stop_reason(req, i, s)
+
+
+def _stop_token(req: RequestState, out, slot: int, i: int, tok: int):
+    """The stop token `tok` ends sequence i at (its id, or None for EOS), or False if it does
+    not: the engine finished it as stopped (EOS unless ignore_eos, or a stop token id; both
+    masked before min_tokens), and vLLM checks EOS first."""
+    if int(out.seq_finish_reason[slot, i]) != FinishReason.STOPPED:
+        return False
+    at_eos = tok == req.eos and not req.params.ignore_eos
+    return tok if tok in req.params.stop_token_ids and not at_eos else None
 
 
 def _append_token(req: RequestState, out, slot: int, i: int) -> None:
@@ -84,20 +113,34 @@ def _append_token(req: RequestState, out, slot: int, i: int) -> None:
     tok = int(out.new_token[slot, i])
     req.tokens[i].append(tok)
     req.logprobs[i].append(float(out.logprob[slot, i]))
-    if req.params.logprobs:
-        if not req.top_logprobs:
-            req.top_logprobs = [[] for _ in range(req.params.n)]
+    if req.params.logprobs is not None:
+        if not req.logprob_dicts:
+            req.logprob_dicts = [[] for _ in range(req.params.best_of)]
         k = req.params.logprobs
-        req.top_logprobs[i].append(dict(zip(out.top_id[slot, i, :k].tolist(),
-                                            out.top_logprob[slot, i, :k].tolist())))
-    if req.detok:
+        top = out.top_id[slot, i, :k].tolist()
+        text = req.decode or (lambda t: None)
+        # vLLM's dict: the sampled token first, then the k most likely (ranked 1..k).
+        entry = {tok: Logprob(float(out.logprob[slot, i]), top.index(tok) + 1 if tok in top else None, text(tok))}
+        for rank, (t, v) in enumerate(zip(top, out.top_logprob[slot, i, :k].tolist()), 1):
+            entry.setdefault(t, Logprob(v, rank, text(t)))
+        req.logprob_dicts[i].append(entry)
+    stop = _stop_token(req, out, slot, i, tok)
+    if req.detok and (stop is False or req.params.include_stop_str_in_output):
+        # As vLLM, the text of the token a sequence stops at (EOS or a stop token id) is
+        # left out, unless include_stop_str_in_output.
         before = len(req.text[i])
         req.text[i] += req.detok[i].step(tok)
         if req.params.stop and len(req.tokens[i]) >= req.params.min_tokens:
             cut_at_stop(req, i, before)
+    if stop is not False and i not in req.text_stopped:
+        _stop_reason(req, i, stop)
     reason = FINISH.get(int(out.seq_finish_reason[slot, i]))
     if reason and i not in req.text_stopped:
         req.reasons[i] = reason
+
+
+def _token_text(tokenizer, skip_special_tokens: bool, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=skip_special_tokens)
 
 
 class OutputProcessor:
@@ -108,6 +151,7 @@ class OutputProcessor:
                  max_prompt_len: int, seed: int, stats: EngineStats):
         self.tokenizer, self.max_model_len, self.num_slots = tokenizer, max_model_len, num_slots
         self.rows, self.max_prompt_len, self.seed, self.stats = rows, max_prompt_len, seed, stats
+        self.eos_token_id = tokenizer.eos_token_id if tokenizer is not None else None   # the engine's
         self.requests: dict[int, RequestState] = {}
         self.by_id: dict[str, int] = {}
         self.queue: collections.deque[int] = collections.deque()
@@ -122,11 +166,15 @@ class OutputProcessor:
         """Queue a checked request (the front end validated it)."""
         idx = self.next_index
         self.next_index += 1
-        n = params.n
-        detok = ([self.tokenizer.detokenizer(ids, skip_special_tokens=True) for _ in range(n)]
-                 if self.tokenizer else [])
+        n = params.best_of
+        detok = ([self.tokenizer.detokenizer(ids, skip_special_tokens=params.skip_special_tokens)
+                  for _ in range(n)] if self.tokenizer and params.detokenize else [])
+        decode = None
+        if self.tokenizer and params.detokenize:
+            decode = functools.partial(_token_text, self.tokenizer, params.skip_special_tokens)
         req = RequestState(idx, request_id, text, ids, params, [[] for _ in range(n)],
-                           [[] for _ in range(n)], [None] * n, detok, [""] * n)
+                           [[] for _ in range(n)], [None] * n, detok, [""] * n, decode=decode,
+                           eos=self.eos_token_id)
         self.requests[idx] = req
         self.by_id[request_id] = idx
         if len(ids) > self.max_model_len:
@@ -147,7 +195,7 @@ class OutputProcessor:
         if idx in self.queue:
             self.queue.remove(idx)
             req = self.requests[idx]
-            finish(req, ["abort"] * req.params.n)
+            finish(req, ["abort"] * req.params.best_of)
             return None
         return idx
 
@@ -190,7 +238,7 @@ class OutputProcessor:
                 self.active -= bool(out.finished[slot])
                 continue
             for i in np.nonzero(out.has_token[slot])[0]:
-                if i >= req.params.n or i in req.text_stopped:
+                if i >= req.params.best_of or i in req.text_stopped:
                     continue
                 self.stats.counts["output_tokens"] += 1
                 _append_token(req, out, slot, i)
@@ -200,7 +248,7 @@ class OutputProcessor:
             elif out.finished[slot]:
                 self.active -= 1
                 reasons = [FINISH.get(int(out.seq_finish_reason[slot, i]), FINISH.get(int(out.finish_reason[slot])))
-                           for i in range(req.params.n)]
+                           for i in range(req.params.best_of)]
                 message = None
                 if int(out.finish_reason[slot]) == FinishReason.IGNORED:
                     message = IGNORE_REASONS.get(int(out.ignore_reason[slot]), "ignored")

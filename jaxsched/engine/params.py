@@ -1,14 +1,17 @@
 """Host-side request types of the `LLM` front end, with vLLM's names.
 
-`SamplingParams` checks every field when it is built, as vLLM's does, and raises one
-`ValueError` that names the field and its limit; `check_engine_limits` adds the limits that
-only an engine knows (`max_num_seqs`, `max_seqs_per_group`, `max_model_len`).
+`SamplingParams` has every field of vLLM 0.5.3's, checks every field when it is built, as
+vLLM's does, and raises one `ValueError` that names the field and its limit; `validate` with
+an engine's limits adds those only it knows (`max_num_seqs`, `max_seqs_per_group`,
+`max_model_len`). The fields of vLLM's that jaxsched does not implement (beam search, prompt
+log-probabilities, Python logits processors) take their defaults only: any other value is
+that one clear error, never silently ignored.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional
+from typing import Optional, Union
 
 MAX_STOP_TOKEN_IDS = 8
 MAX_LOGPROBS = 20          # vLLM's default max_logprobs: a compiled width of the step's output
@@ -27,10 +30,38 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+# vLLM fields that jaxsched accepts at their default only, and why it has no other.
+UNSUPPORTED = {
+    "use_beam_search": (False, "beam search is not implemented (later vLLMs dropped it too)"),
+    "length_penalty": (1.0, "it only applies to beam search, which is not implemented"),
+    "early_stopping": (False, "it only applies to beam search, which is not implemented"),
+    "prompt_logprobs": (None, "the model computes logits at a prompt's last position only"),
+    "logits_processors": (None, "a Python callable cannot run inside the compiled step; "
+                                "use the penalties, min_p, stop_token_ids or min_tokens"),
+}
+
+
+def _is_default(value, default) -> bool:
+    if default is None:
+        return value is None or (isinstance(value, (list, tuple)) and not value)
+    if isinstance(default, bool):
+        return value is default
+    return _is_number(value) and value == default
+
+
 @dataclasses.dataclass
 class SamplingParams:
-    """How to sample one request (vLLM's names and defaults); checked when built."""
+    """How to sample one request (vLLM 0.5.3's names and defaults); checked when built.
+
+    `best_of` sequences are sampled and the `n` with the highest cumulative log-probability
+    returned (default: `n`). `include_stop_str_in_output` keeps the stop string, or a stop
+    token's text, at the end of the text. `skip_special_tokens` leaves special tokens out of
+    the text; `spaces_between_special_tokens` is vLLM's, and as in vLLM it changes nothing for
+    the fast tokenizers jaxsched uses. `detokenize=False` leaves `text` empty (token ids only).
+    `truncate_prompt_tokens=k` keeps a prompt's last k tokens.
+    """
     n: int = 1
+    best_of: Optional[int] = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -45,8 +76,20 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: Optional[int] = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    detokenize: bool = True
+    truncate_prompt_tokens: Optional[int] = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool = False
+    prompt_logprobs: Optional[int] = None
+    logits_processors: Optional[list] = None
 
     def __post_init__(self):
+        if self.best_of is None:                 # vLLM's default: as many as returned
+            self.best_of = self.n
         if isinstance(self.stop_token_ids, list):
             self.stop_token_ids = tuple(self.stop_token_ids)
         if isinstance(self.stop, str):
@@ -60,6 +103,11 @@ class SamplingParams:
         """Every field's own limits, then the engine's where they are given."""
         if not _is_int(self.n) or self.n < 1:
             _bad("n", f"must be an integer >= 1, got {self.n!r}")
+        if not _is_int(self.best_of) or self.best_of < self.n:
+            _bad("best_of", f"must be an integer >= n={self.n} (or None: n), got {self.best_of!r}")
+        for name, (default, why) in UNSUPPORTED.items():
+            if not _is_default(getattr(self, name), default):
+                _bad(name, f"only {default!r} is supported, got {getattr(self, name)!r}: {why}")
         if not _is_number(self.temperature) or self.temperature < 0:
             _bad("temperature", f"must be a finite number >= 0, got {self.temperature!r}")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
@@ -88,38 +136,67 @@ class SamplingParams:
                 _bad(name, f"must be a number in [-2, 2], got {value!r}")
         if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty <= 2:
             _bad("repetition_penalty", f"must be a number in (0, 2], got {self.repetition_penalty!r}")
-        if not isinstance(self.ignore_eos, bool):
-            _bad("ignore_eos", f"must be True or False, got {self.ignore_eos!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+                     "spaces_between_special_tokens", "detokenize"):
+            if not isinstance(getattr(self, name), bool):
+                _bad(name, f"must be True or False, got {getattr(self, name)!r}")
+        if self.stop and not self.detokenize:
+            _bad("stop", "stop strings need the text: set detokenize=True or use stop_token_ids")
+        if self.truncate_prompt_tokens is not None and (
+                not _is_int(self.truncate_prompt_tokens) or self.truncate_prompt_tokens < 1):
+            _bad("truncate_prompt_tokens", f"must be None or an integer >= 1, "
+                 f"got {self.truncate_prompt_tokens!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             _bad("logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}] (the sampled token's "
                  f"log-probability and that many top ones), got {self.logprobs!r}")
-        if max_num_seqs is not None and self.n > max_num_seqs:
-            _bad("n", f"{self.n} exceeds max_num_seqs={max_num_seqs}")
-        if max_seqs_per_group is not None and self.n > max_seqs_per_group:
-            _bad("n", f"{self.n} exceeds the engine's max_seqs_per_group={max_seqs_per_group} "
+        # The engine samples best_of sequences: the limits bound those.
+        field = "n" if self.best_of == self.n else "best_of"
+        if max_num_seqs is not None and self.best_of > max_num_seqs:
+            _bad(field, f"{self.best_of} exceeds max_num_seqs={max_num_seqs}")
+        if max_seqs_per_group is not None and self.best_of > max_seqs_per_group:
+            _bad(field, f"{self.best_of} exceeds the engine's max_seqs_per_group={max_seqs_per_group} "
                  f"(raise it with LLM(max_seqs_per_group=...))")
         if max_model_len is not None and self.max_tokens > max_model_len:
             _bad("max_tokens", f"{self.max_tokens} exceeds max_model_len={max_model_len}")
 
 
 @dataclasses.dataclass
+class Logprob:
+    """One token's log-probability (vLLM's): `rank` is its place among the vocabulary's most
+    likely (1 = the most), None for a sampled token outside the `logprobs` most likely (the
+    step ranks only those); `decoded_token` its text, None without detokenize."""
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
+
+
+@dataclasses.dataclass
 class CompletionOutput:
-    """One sequence of a request (vLLM's fields)."""
+    """One sequence of a request (vLLM's fields). `index` is the sequence's among the request's
+    `best_of`; `logprobs`, with `SamplingParams.logprobs=k`, has one dict per token: the
+    sampled token's `Logprob`, then the k most likely tokens', by token id; `stop_reason` is the
+    stop string or stop token id it stopped at (None at EOS or any other finish)."""
     index: int
     token_ids: list[int]
-    text: Optional[str] = None
+    text: str = ""
     finish_reason: Optional[str] = None     # "length", "stop", "ignored", "abort"
-    logprobs: Optional[list[float]] = None
+    logprobs: Optional[list[dict[int, Logprob]]] = None
     cumulative_logprob: Optional[float] = None
-    top_logprobs: Optional[list[dict[int, float]]] = None   # per token: the `logprobs` most likely
+    stop_reason: Union[int, str, None] = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclasses.dataclass
 class RequestOutput:
-    """A request's outputs so far (vLLM's fields); `message` says why a request was ignored."""
+    """A request's outputs so far (vLLM's fields): its best `n` sequences, best first when
+    `best_of` > n. `prompt_logprobs` is always None (not computed); `message` (jaxsched's) says
+    why a request was ignored."""
     request_id: str
     prompt: Optional[str]
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = False
     message: Optional[str] = None
+    prompt_logprobs: None = None

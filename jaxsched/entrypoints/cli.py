@@ -223,7 +223,7 @@ def cmd_generate(args) -> int:
     for text, out in zip(prompts, outputs):
         _say(f"\n>>> {text}")
         for c in out.outputs:
-            body = c.text if c.text is not None else " ".join(map(str, c.token_ids))
+            body = c.text if llm.tokenizer is not None else " ".join(map(str, c.token_ids))
             tag = f"[{c.index}] " if len(out.outputs) > 1 else ""
             _say(f"{tag}{body.strip()}  ({len(c.token_ids)} tokens, {c.finish_reason})")
         if out.message:
@@ -251,7 +251,7 @@ def _stream(llm, prompts, inputs, params, t0, quiet=False):
             if first is None and c.token_ids:
                 first = time.perf_counter() - t0
             key = (out.request_id, c.index)
-            text = c.text if c.text is not None else " ".join(map(str, c.token_ids))
+            text = c.text if llm.tokenizer is not None else " ".join(map(str, c.token_ids))
             new = text[len(shown.get(key, "")):]
             shown[key] = text
             pending[key] = pending.get(key, "") + new

@@ -279,6 +279,8 @@ class LLM(_FrontEnd):
         if params.stop and self.tokenizer is None:
             raise ValueError("SamplingParams.stop: stop strings need a tokenizer; use stop_token_ids")
         text, ids = self._encode(prompt, field)
+        if params.truncate_prompt_tokens:            # vLLM's: the prompt's last k tokens
+            ids = ids[-params.truncate_prompt_tokens:]
         return text, ids, params
 
     def _enqueue(self, request_id: str, text: Optional[str], ids: list[int], params: SamplingParams) -> None:

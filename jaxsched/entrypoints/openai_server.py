@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -129,26 +130,28 @@ class OpenAIServer:
         @app.post("/v1/completions")
         async def completions(request: Request):
             req = await _read_json(request, CompletionRequest, self.max_body_bytes)
-            self._check_model(req.model)
+            self._check_request(req)
             prompts = _prompt_list(req.prompt)
             # Every prompt is checked before any is queued: one bad prompt fails the call alone.
             batch = []
             for k, prompt in enumerate(prompts):
                 field = "prompt" if len(prompts) == 1 else f"prompt[{k}]"
                 ids = self._tokenizer().encode(prompt) if isinstance(prompt, str) else list(prompt)
+                ids = _truncated(ids, req.truncate_prompt_tokens)
                 batch.append((ids, self._params(req, ids, field, req.max_tokens or 16, req.logprobs)))
-            return await self._serve(request, req, batch, chat=False)
+            echo = [self._echo(prompt) for prompt in prompts] if req.echo else None
+            return await self._serve(request, req, batch, chat=False, echo=echo)
 
         @app.post("/v1/chat/completions")
         async def chat_completions(request: Request):
             req = await _read_json(request, ChatCompletionRequest, self.max_body_bytes)
-            self._check_model(req.model)
+            self._check_request(req)
             tok = self._tokenizer()
             if not tok.chat_template:
                 raise ApiError("messages: the model has no chat template", "messages")
             text = tok.apply_chat_template([m.model_dump() for m in req.messages],
                                            add_generation_prompt=req.add_generation_prompt)
-            ids = tok.encode(text, add_special_tokens=False)
+            ids = _truncated(tok.encode(text, add_special_tokens=False), req.truncate_prompt_tokens)
             logprobs = (req.top_logprobs or 0) if req.logprobs else None
             max_tokens = req.max_tokens or max(self.llm.config.max_model_len - len(ids), 1)
             params = self._params(req, ids, "messages", max_tokens, logprobs)
@@ -162,10 +165,22 @@ class OpenAIServer:
             raise ApiError("prompt: this model has no tokenizer; send token ids", "prompt")
         return self.llm.tokenizer
 
-    def _check_model(self, model: Optional[str]) -> None:
-        if model is not None and model != self.model_name:
-            raise ApiError(f"model: the model `{model}` does not exist; this server serves "
+    def _check_request(self, req) -> None:
+        """What a request asks for that no engine limit decides: the model, the fields jaxsched
+        does not implement, and best_of's stream."""
+        if req.model is not None and req.model != self.model_name:
+            raise ApiError(f"model: the model `{req.model}` does not exist; this server serves "
                            f"`{self.model_name}`", "model", kind="NotFoundError")
+        if message := req.unsupported():
+            raise ApiError(message, _field_of(message))
+        if req.stream and req.best_of is not None and req.best_of != req.n:
+            # vLLM answers such a request unstreamed, which a streaming client cannot read.
+            raise ApiError(f"best_of: {req.best_of} != n={req.n} cannot be streamed (the best n "
+                           f"are known at the end), as in OpenAI's API", "best_of")
+
+    def _echo(self, prompt) -> str:
+        """A prompt's text, for echo (token ids decoded)."""
+        return prompt if isinstance(prompt, str) else self._tokenizer().decode(prompt)
 
     def _params(self, req, ids: list[int], field: str, max_tokens: int, logprobs):
         """SamplingParams for a request, with the engine's limits (vLLM's messages)."""
@@ -195,9 +210,10 @@ class OpenAIServer:
         return params
 
     # ------------------------------------------------------------ serving
-    async def _serve(self, request: Request, req, batch, chat: bool):
+    async def _serve(self, request: Request, req, batch, chat: bool, echo: Optional[list[str]] = None):
         """Queue every (ids, params) of `batch` as its own engine request and answer them as one
-        response: prompt k's samples are choices k*n .. k*n+n-1, as in vLLM."""
+        response: prompt k's samples are choices k*n .. k*n+n-1, as in vLLM; with `echo`,
+        each choice's text starts with its prompt's."""
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         rids = [rid] if len(batch) == 1 else [f"{rid}-{k}" for k in range(len(batch))]
         queues = []
@@ -210,7 +226,8 @@ class OpenAIServer:
             if isinstance(e, QueueFull):
                 raise ApiError(str(e), None, 503, "ServiceUnavailableError") from None
             raise ApiError(str(e), _field_of(str(e))) from None
-        shapes = [_Shape(self, rid, chat, len(ids), params, req, offset=k * params.n)
+        shapes = [_Shape(self, rid, chat, len(ids), params, req, offset=k * params.n,
+                         echo=echo[k] if echo else "")
                   for k, (ids, params) in enumerate(batch)]
         outputs = _Merged(queues)
         if req.stream:
@@ -262,6 +279,11 @@ class OpenAIServer:
             for sub, done in zip(rids, finished):
                 if not done:
                     self.engine.abort(sub)
+
+
+def _truncated(ids: list[int], keep: Optional[int]) -> list[int]:
+    """truncate_prompt_tokens: a prompt's last `keep` tokens (vLLM truncates on the left)."""
+    return ids[-keep:] if keep else ids
 
 
 def _prompt_list(prompt) -> list:
@@ -318,9 +340,10 @@ class _Shape:
     """One request's responses in OpenAI's formats, whole or as stream chunks."""
 
     def __init__(self, server: OpenAIServer, rid: str, chat: bool, prompt_len: int, params, req,
-                 offset: int = 0):
+                 offset: int = 0, echo: str = ""):
         self.server, self.rid, self.chat, self.prompt_len, self.params = server, rid, chat, prompt_len, params
         self.offset = offset                     # this prompt's first choice index
+        self.echo = echo                         # the prompt's text, when echoed
         self.created = int(time.time())
         self.tok = server.llm.tokenizer
         # A stop string may arrive over several tokens: hold back that many characters of
@@ -337,65 +360,73 @@ class _Shape:
             body["usage"] = usage
         return body
 
-    def _logprobs(self, c, start: int):
+    def _token(self, t: int) -> str:
+        return self.tok.decode([t]) if self.tok else str(t)
+
+    def _logprobs(self, c, start: int, text_start: int = 0):
+        """OpenAI's logprobs of c's tokens from `start` (completions: text offsets from
+        `text_start`), from vLLM's per-token {token id: Logprob} dicts."""
         if self.params.logprobs is None or c.logprobs is None:
             return None
-        ids, lps = c.token_ids[start:], c.logprobs[start:]
-        tops = c.top_logprobs[start:] if c.top_logprobs else [None] * len(ids)
-        text = [self.tok.decode([t]) if self.tok else str(t) for t in ids]
-
-        def top(entry):
-            if not entry:
-                return []
-            return [(self.tok.decode([t]) if self.tok else str(t), float(lp)) for t, lp in entry.items()]
+        ids, dicts = c.token_ids[start:], c.logprobs[start:]
+        text = [self._token(t) for t in ids]
+        lps = [d[t].logprob for t, d in zip(ids, dicts)]
+        # The k most likely tokens are the ranked entries (the sampled one may be unranked).
+        tops = [[(self._token(t), lp.logprob) for t, lp in sorted(d.items(), key=lambda e: e[1].rank or 0)
+                 if lp.rank is not None] for d in dicts]
         if self.chat:
             return {"content": [{"token": s, "logprob": lp, "bytes": list(s.encode()),
                                  "top_logprobs": [{"token": ts, "logprob": tl, "bytes": list(ts.encode())}
-                                                  for ts, tl in top(entry)]}
-                                for s, lp, entry in zip(text, lps, tops)]}
+                                                  for ts, tl in top]}
+                                for s, lp, top in zip(text, lps, tops)]}
+        offsets = list(itertools.accumulate((len(s) for s in text[:-1]), initial=text_start)) if text else []
         return {"tokens": text, "token_logprobs": lps,
-                "top_logprobs": [dict(top(entry)) or None for entry in tops],
-                "text_offset": []}
+                "top_logprobs": [dict(top) or None for top in tops], "text_offset": offsets}
 
     def _text(self, c) -> str:
-        if c.text is not None:
-            return c.text
-        return " ".join(map(str, c.token_ids))
+        return c.text if self.tok else " ".join(map(str, c.token_ids))
 
     def deltas(self, out) -> list[dict]:
         choices = []
         for c in out.outputs:
-            i = c.index
+            i = c.index                          # best_of == n when streamed: c is sequence i
             if self.done[i]:
                 continue
             text = self._text(c)
             finished = c.finish_reason is not None or out.finished
             visible = text if finished or not self.hold else text[:max(len(text) - self.hold, len(self.sent_text[i]))]
             delta = visible[len(self.sent_text[i]):]
-            lp = self._logprobs(c, self.sent_tokens[i])
+            lp = self._logprobs(c, self.sent_tokens[i], len(self.echo) + len(self.sent_text[i]))
             if not delta and not finished and len(c.token_ids) == self.sent_tokens[i]:
                 continue
+            first = not self.sent_tokens[i] and not self.sent_text[i]
             self.sent_text[i], self.sent_tokens[i] = visible, len(c.token_ids)
             reason = (c.finish_reason or "abort") if finished else None
             self.done[i] = finished
+            extra = {"stop_reason": c.stop_reason} if finished else {}
             if self.chat:
                 choices.append({"index": self.offset + i, "delta": {"content": delta} if delta or not finished else {},
-                                "logprobs": lp, "finish_reason": reason})
+                                "logprobs": lp, "finish_reason": reason, **extra})
             else:
-                choices.append({"index": self.offset + i, "text": delta, "logprobs": lp, "finish_reason": reason})
+                echo = self.echo if first else ""
+                choices.append({"index": self.offset + i, "text": echo + delta, "logprobs": lp,
+                                "finish_reason": reason, **extra})
         return choices
 
     def choices(self, out) -> list[dict]:
-        """The finished `out` as whole choices."""
+        """The finished `out` as whole choices, numbered in order (with best_of > n, `out`
+        has the best n sequences, best first)."""
         choices = []
-        for c in out.outputs:
-            lp, index = self._logprobs(c, 0), self.offset + c.index
+        for position, c in enumerate(out.outputs):
+            index = self.offset + position
             if self.chat:
                 choices.append({"index": index, "message": {"role": "assistant", "content": self._text(c)},
-                                "logprobs": lp, "finish_reason": c.finish_reason})
+                                "logprobs": self._logprobs(c, 0), "finish_reason": c.finish_reason,
+                                "stop_reason": c.stop_reason})
             else:
-                choices.append({"index": index, "text": self._text(c), "logprobs": lp,
-                                "finish_reason": c.finish_reason})
+                choices.append({"index": index, "text": self.echo + self._text(c),
+                                "logprobs": self._logprobs(c, 0, len(self.echo)),
+                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         return choices
 
 

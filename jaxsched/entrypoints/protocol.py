@@ -2,7 +2,10 @@
 
 Field limits that need no engine are declared here, so pydantic's error names the field;
 the engine's own limits (max_model_len, max_num_seqs) are checked by the server, and every
-sampling field once more by `SamplingParams.validate`.
+sampling field once more by `SamplingParams.validate`. vLLM's extra sampling fields are
+here by its names. OpenAI fields that jaxsched does not implement (`logit_bias`, `suffix`,
+`response_format` other than text, `tools`) are a 400 naming the field when they ask for
+something, never silently ignored; unknown fields are ignored, as by OpenAI.
 """
 from __future__ import annotations
 
@@ -44,6 +47,21 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
+    best_of: Optional[int] = Field(default=None, ge=1)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: Optional[int] = Field(default=None, ge=1)
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool = False
+    logit_bias: Optional[dict[str, float]] = None
+
+    def unsupported(self) -> Optional[str]:
+        """The first field that asks for what jaxsched does not do, with why (a 400)."""
+        if self.logit_bias:
+            return "logit_bias: not supported (the compiled step takes no per-token biases)"
+        return None
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -58,13 +76,27 @@ class _Sampling(BaseModel):
             stop_token_ids=tuple(self.stop_token_ids), stop=self.stop_strings(),
             ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
-            logprobs=logprobs)
+            logprobs=logprobs, best_of=self.best_of,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            truncate_prompt_tokens=self.truncate_prompt_tokens, use_beam_search=self.use_beam_search,
+            length_penalty=self.length_penalty, early_stopping=self.early_stopping)
 
 
 class CompletionRequest(_Sampling):
     prompt: Union[str, list[int], list[str], list[list[int]]]
     logprobs: Optional[int] = Field(default=None, ge=0, le=20)
     echo: bool = False
+    suffix: Optional[str] = None
+
+    def unsupported(self) -> Optional[str]:
+        if self.suffix:
+            return "suffix: not supported (no insertion: the model continues the prompt)"
+        if self.echo and self.logprobs is not None:
+            return ("echo: with logprobs it needs the prompt's log-probabilities, which jaxsched "
+                    "does not compute; send echo or logprobs")
+        return super().unsupported()
 
 
 class ChatCompletionRequest(_Sampling):
@@ -72,6 +104,16 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
+    response_format: Optional[dict] = None
+    tools: Optional[list] = None
+
+    def unsupported(self) -> Optional[str]:
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            return (f"response_format: only {{'type': 'text'}} is supported (no guided decoding), "
+                    f"got {self.response_format!r}")
+        if self.tools:
+            return "tools: not supported (no tool calling or parsing of tool calls)"
+        return super().unsupported()
 
 
 def error_body(message: str, param: Optional[str] = None, kind: str = "BadRequestError",
