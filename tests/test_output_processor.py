@@ -7,7 +7,7 @@ import numpy as np
 from jaxsched.core.state import FinishReason
 from jaxsched.engine.input_processor import pack_new_requests
 from jaxsched.engine.output_processor import OutputProcessor
-from jaxsched.engine.params import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, SamplingParams
+from jaxsched.engine.params import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, NO_TOKEN, SamplingParams
 from jaxsched.engine.stats import EngineStats
 from jaxsched.engine.step import StepOutput
 
@@ -57,7 +57,7 @@ def test_pack__rows_carry_each_request_and_the_rest_are_invalid():
     proc = make_processor()
     proc.add_request("a", None, [5, 6, 7], SamplingParams(n=2, max_tokens=9, top_k=-1, seed=3,
                                                            stop_token_ids=(11,), logprobs=4))
-    proc.add_request("b", None, [8], SamplingParams(temperature=0.5, ignore_eos=True))
+    proc.add_request("b", None, [8], SamplingParams(temperature=0.5, ignore_eos=True, logit_bias={3: -1.5, 9: 2}))
     new = proc.new_requests(now=1.5)
     b, s = new.batch, new.sampling
     assert np.asarray(b.valid).tolist() == [True, True]
@@ -71,6 +71,8 @@ def test_pack__rows_carry_each_request_and_the_rest_are_invalid():
     assert np.asarray(s.temperature).tolist() == [1.0, 0.5]
     assert np.asarray(s.stop_token_ids).tolist() == [[11] + [-1] * (MAX_STOP_TOKEN_IDS - 1),
                                                      [-1] * MAX_STOP_TOKEN_IDS]
+    assert np.asarray(s.bias_ids)[:, :3].tolist() == [[NO_TOKEN] * 3, [3, 9, NO_TOKEN]]
+    assert np.asarray(s.bias)[:, :3].tolist() == [[0, 0, 0], [-1.5, 2, 0]]
     # A request's own seed, else the engine seed and its index (engine/sampling.py).
     assert np.asarray(s.key).tolist() == [[0, 3], [0x9E3779B9 ^ 7, 1]]
     assert proc.num_queued() == 0 and proc.active == 2

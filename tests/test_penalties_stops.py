@@ -137,6 +137,27 @@ def test_logprobs__vllms_dicts_best_first_with_ranks_and_text(llm):
     assert plain.cumulative_logprob == pytest.approx(out.cumulative_logprob, abs=1e-4)
 
 
+def test_logit_bias__on_device_per_request_without_recompiling(llm):
+    prompt = [5, 6, 7, 8]
+    plain = _greedy(llm, prompt, logprobs=1)
+    cache = llm._step._cache_size() if hasattr(llm._step, "_cache_size") else None
+    banned = _greedy(llm, prompt, logit_bias={plain.token_ids[0]: -100})
+    assert banned.token_ids[0] != plain.token_ids[0]
+    forced = 1234
+    assert forced not in plain.token_ids
+    outs = llm.generate([prompt, prompt], [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=1),
+                                           SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
+                                                          logprobs=1, logit_bias={forced: 100.0})],
+                        use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == plain.token_ids                    # the row beside it is untouched
+    assert outs[1].outputs[0].token_ids == [forced] * 24
+    assert outs[1].outputs[0].logprobs[0][forced].logprob > -1e-3            # the bias is in the log-probs too
+    if cache is not None:
+        assert llm._step._cache_size() == cache
+    with pytest.raises(ValueError, match=r"SamplingParams.logit_bias: token ids must be in \[0, vocab_size="):
+        llm.generate([prompt], SamplingParams(logit_bias={llm.model_config.vocab_size: 1.0}), use_tqdm=False)
+
+
 def test_stops__stop_reason_and_include_stop_str_in_output_as_vllm(llm):
     full = _greedy(llm, [9, 10, 11])
     text, toks = full.text, full.token_ids
@@ -187,7 +208,8 @@ def test_detokenize_false_and_truncate_prompt_tokens(llm):
                                          ("early_stopping", True), ("prompt_logprobs", 1),
                                          ("logits_processors", [lambda ids, logits: logits]),
                                          ("best_of", 1), ("truncate_prompt_tokens", 0),
-                                         ("skip_special_tokens", "no")])
+                                         ("skip_special_tokens", "no"), ("logit_bias", {1: 101}),
+                                         ("logit_bias", {-1: 1.0}), ("logit_bias", {i: 1.0 for i in range(301)})])
 def test_vllm_fields_jaxsched_lacks_are_one_clear_error(field, value):
     kw = {field: value, "n": 2} if field == "best_of" else {field: value}
     with pytest.raises(ValueError, match=f"SamplingParams.{field}:"):

@@ -284,6 +284,10 @@ def test_vllm_fields_best_of_echo_stop_reason_truncation(server, offline):
     # truncate_prompt_tokens keeps the prompt's last tokens (usage counts what ran).
     short = client.completions.create(prompt=PROMPTS[0], extra_body={"truncate_prompt_tokens": 2}, **kw)
     assert short.usage.prompt_tokens == 2
+    # logit_bias on device: a token pushed by 100 is every token.
+    forced = offline.tokenizer.encode(" banana", add_special_tokens=False)[0]
+    biased = client.completions.create(prompt=PROMPTS[0], logit_bias={str(forced): 100}, **kw).choices[0]
+    assert biased.text == offline.tokenizer.decode([forced] * 5)
     # logprobs' text offsets point at each token in the text.
     lp = client.completions.create(prompt=PROMPTS[0], logprobs=1, **kw).choices[0].logprobs
     assert lp.text_offset == [len("".join(lp.tokens[:j])) for j in range(len(lp.tokens))]
@@ -333,7 +337,9 @@ BAD = [
     ({"model": MODEL, "prompt": "x", "best_of": 2, "stream": True}, "best_of"),
     ({"model": MODEL, "prompt": "x", "use_beam_search": True}, "use_beam_search"),
     ({"model": MODEL, "prompt": "x", "echo": True, "logprobs": 1}, "echo"),
-    ({"model": MODEL, "prompt": "x", "logit_bias": {"50256": -100}}, "logit_bias"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {"hello": -100}}, "logit_bias"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {"50": -101}}, "logit_bias"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {"99999999": 1}}, "logit_bias"),
     ({"model": MODEL, "prompt": "x", "suffix": "end"}, "suffix"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
      "response_format"),

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsched.core.requests import RequestBatch
-from jaxsched.engine.params import MAX_STOP_TOKEN_IDS
+from jaxsched.engine.params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, NO_TOKEN
 from jaxsched.engine.step import NewRequests, SamplingRows
 
 # The per-request scalar columns: name, dtype, and how a request gives it. Each column
@@ -60,12 +60,18 @@ def pack_new_requests(reqs: Sequence, rows: int, max_prompt_len: int, now: float
     prompts = np.zeros((rows, max_prompt_len), np.int32)
     keys = np.zeros((rows, 2), np.uint32)
     stops = np.full((rows, MAX_STOP_TOKEN_IDS), -1, np.int32)
+    bias_ids = np.full((rows, MAX_LOGIT_BIAS), NO_TOKEN, np.int32)
+    bias = np.zeros((rows, MAX_LOGIT_BIAS), np.float32)
     for r, req in enumerate(reqs):
         prompts[r, :len(req.prompt_ids)] = req.prompt_ids
         keys[r] = request_key(req, seed)
         stops[r, :len(req.params.stop_token_ids)] = req.params.stop_token_ids
+        if req.params.logit_bias:
+            bias_ids[r, :len(req.params.logit_bias)] = list(req.params.logit_bias)
+            bias[r, :len(req.params.logit_bias)] = list(req.params.logit_bias.values())
     batch = RequestBatch(valid=jnp.asarray(valid), arrival_time=jnp.asarray(arrival),
                          **{k: _column(reqs, rows, dt, get) for k, (dt, get) in _BATCH_COLUMNS.items()})
     sampling = SamplingRows(key=jnp.asarray(keys), stop_token_ids=jnp.asarray(stops),
+                            bias_ids=jnp.asarray(bias_ids), bias=jnp.asarray(bias),
                             **{k: _column(reqs, rows, dt, get) for k, (dt, get) in _SAMPLING_COLUMNS.items()})
     return NewRequests(batch=batch, prompt_tokens=jnp.asarray(prompts), sampling=sampling)

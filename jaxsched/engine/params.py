@@ -14,6 +14,8 @@ import math
 from typing import Optional, Union
 
 MAX_STOP_TOKEN_IDS = 8
+MAX_LOGIT_BIAS = 300       # OpenAI's limit on logit_bias entries: a compiled width of the step
+NO_TOKEN = 2**31 - 1       # pads token-id columns: past any vocabulary, so scatters drop it
 MAX_LOGPROBS = 20          # vLLM's default max_logprobs: a compiled width of the step's output
 MAX_SEED = 2**31
 
@@ -58,7 +60,9 @@ class SamplingParams:
     token's text, at the end of the text. `skip_special_tokens` leaves special tokens out of
     the text; `spaces_between_special_tokens` is vLLM's, and as in vLLM it changes nothing for
     the fast tokenizers jaxsched uses. `detokenize=False` leaves `text` empty (token ids only).
-    `truncate_prompt_tokens=k` keeps a prompt's last k tokens.
+    `truncate_prompt_tokens=k` keeps a prompt's last k tokens. `logit_bias` ({token id: bias
+    in [-100, 100]}, as OpenAI's and later vLLMs') is added to those logits before anything
+    else, on device.
     """
     n: int = 1
     best_of: Optional[int] = None
@@ -81,6 +85,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
     truncate_prompt_tokens: Optional[int] = None
+    logit_bias: Optional[dict[int, float]] = None
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: bool = False
@@ -142,6 +147,14 @@ class SamplingParams:
                 _bad(name, f"must be True or False, got {getattr(self, name)!r}")
         if self.stop and not self.detokenize:
             _bad("stop", "stop strings need the text: set detokenize=True or use stop_token_ids")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or any(
+                    not _is_int(t) or t < 0 or not _is_number(b) or not -100 <= b <= 100
+                    for t, b in self.logit_bias.items()):
+                _bad("logit_bias", f"must be a dict of token ids >= 0 to numbers in [-100, 100], "
+                     f"got {self.logit_bias!r}")
+            if len(self.logit_bias) > MAX_LOGIT_BIAS:
+                _bad("logit_bias", f"at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
         if self.truncate_prompt_tokens is not None and (
                 not _is_int(self.truncate_prompt_tokens) or self.truncate_prompt_tokens < 1):
             _bad("truncate_prompt_tokens", f"must be None or an integer >= 1, "

@@ -33,7 +33,7 @@ from jaxsched.engine import compile_options
 from jaxsched.engine.batch import flat_batch
 from jaxsched.core.config import Capacity, SchedulerConfig
 from jaxsched.core.requests import RequestBatch, add_requests, free_finished, update
-from jaxsched.engine.params import MAX_LOGPROBS
+from jaxsched.engine.params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, NO_TOKEN
 from jaxsched.engine.prefix_reuse import PrefixReuse, cached_prefix_tokens, empty_reuse, mark_ready
 from jaxsched.engine.sampling import apply_penalties, sample, token_key, top_logprobs
 from jaxsched.core.scheduler import schedule_step
@@ -50,6 +50,8 @@ class SamplingRows:
       min_tokens: int32[R]; ignore_eos: bool[R]; stop_token_ids: int32[R, K] (-1 padded).
       presence_penalty, frequency_penalty: float32[R] (0 off); repetition_penalty: float32[R] (1 off).
       num_logprobs: int32[R] top log-probabilities wanted per token (0: none).
+      bias_ids, bias: int32 / float32[R, MAX_LOGIT_BIAS] logit_bias's token ids (NO_TOKEN
+        padded: dropped) and what they add to the logits.
     """
     temperature: jax.Array
     top_k: jax.Array
@@ -63,6 +65,8 @@ class SamplingRows:
     frequency_penalty: jax.Array
     repetition_penalty: jax.Array
     num_logprobs: jax.Array
+    bias_ids: jax.Array
+    bias: jax.Array
 
 
 @struct.dataclass
@@ -188,9 +192,12 @@ def init_engine(config: SchedulerConfig, kv_cache: kvc.KVCache, eos_token_id: in
         pending_top_id=z(g, s, MAX_LOGPROBS), pending_top_logprob=z(g, s, MAX_LOGPROBS, dt=jnp.float32),
         sampling=SamplingRows(temperature=z(g, dt=jnp.float32), top_k=z(g), top_p=jnp.ones((g,), jnp.float32),
                               min_p=z(g, dt=jnp.float32), key=jnp.zeros((g, 2), jnp.uint32),
-                              min_tokens=z(g), ignore_eos=z(g, dt=bool), stop_token_ids=jnp.full((g, 8), -1, jnp.int32),
+                              min_tokens=z(g), ignore_eos=z(g, dt=bool),
+                              stop_token_ids=jnp.full((g, MAX_STOP_TOKEN_IDS), -1, jnp.int32),
                               presence_penalty=z(g, dt=jnp.float32), frequency_penalty=z(g, dt=jnp.float32),
-                              repetition_penalty=jnp.ones((g,), jnp.float32), num_logprobs=z(g)),
+                              repetition_penalty=jnp.ones((g,), jnp.float32), num_logprobs=z(g),
+                              bias_ids=jnp.full((g, MAX_LOGIT_BIAS), NO_TOKEN, jnp.int32),
+                              bias=z(g, MAX_LOGIT_BIAS, dt=jnp.float32)),
         eos_token_id=jnp.asarray(-1 if eos_token_id is None else eos_token_id, jnp.int32),
         kv_key=jnp.zeros((2, cap.num_device_blocks + 1), jnp.uint32),
         kv_ready=jnp.zeros((cap.num_device_blocks + 1,), bool),
@@ -271,6 +278,17 @@ def model_impl(params, kv: kvc.KVCache, plan: StepPlan, spec: EngineSpec, size: 
     return logits, kvc.write_layers(kv, k, v, plan.fb.slot_mapping[:size])
 
 
+def _logit_bias(logits, rows: SamplingRows, row_g):
+    """logit_bias, first (vLLM applies it as a logits processor, before min_tokens and the
+    penalties); the [R, V] update is skipped when no row has one."""
+    ids = rows.bias_ids[row_g]
+
+    def add(logits):
+        r = jnp.arange(logits.shape[0])[:, None]
+        return logits.at[r, ids].add(rows.bias[row_g], mode="drop")
+    return lax.cond(jnp.any(ids != NO_TOKEN), add, lambda x: x, logits)
+
+
 def _suppress_stops(logits, rows: SamplingRows, row_g, outputs_before, eos):
     """vLLM's min_tokens: EOS (unless ignore_eos) and stop tokens cannot be sampled early."""
     early = outputs_before < rows.min_tokens[row_g]                      # [R]
@@ -327,6 +345,7 @@ def finish_impl(state: EngineState, plan: StepPlan, logits, spec: EngineSpec):
     sp = state.sampling
     position = fb.sample_position.reshape(-1)[gs]
     keys = jax.vmap(token_key)(sp.key[row_g], row_s, position)
+    logits = _logit_bias(logits.astype(jnp.float32), sp, row_g)
     logits = _suppress_stops(logits, sp, row_g, position - sched.prompt_len[row_g], state.eos_token_id)
     # Penalties count tokens from the buffers: the prompt from sequence 0 (a group's other
     # sequences get it at the fork), the output from the row's own sequence.

@@ -278,6 +278,10 @@ class LLM(_FrontEnd):
         params.validate(self.config.max_num_seqs, self.config.max_seqs_per_group)
         if params.stop and self.tokenizer is None:
             raise ValueError("SamplingParams.stop: stop strings need a tokenizer; use stop_token_ids")
+        vocab = self.model_config.vocab_size
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ValueError(f"SamplingParams.logit_bias: token ids must be in [0, vocab_size={vocab}), "
+                             f"got {max(params.logit_bias)}")
         text, ids = self._encode(prompt, field)
         if params.truncate_prompt_tokens:            # vLLM's: the prompt's last k tokens
             ids = ids[-params.truncate_prompt_tokens:]

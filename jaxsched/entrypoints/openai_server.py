@@ -207,6 +207,9 @@ class OpenAIServer:
             params.validate(cfg.max_num_seqs, cfg.max_seqs_per_group)
         except (ValueError, TypeError) as e:
             raise ApiError(str(e), _field_of(str(e))) from None
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ApiError(f"logit_bias: token ids must be in [0, vocab_size={vocab}), got "
+                           f"{max(params.logit_bias)}", "logit_bias")
         return params
 
     # ------------------------------------------------------------ serving

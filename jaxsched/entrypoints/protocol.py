@@ -3,7 +3,7 @@
 Field limits that need no engine are declared here, so pydantic's error names the field;
 the engine's own limits (max_model_len, max_num_seqs) are checked by the server, and every
 sampling field once more by `SamplingParams.validate`. vLLM's extra sampling fields are
-here by its names. OpenAI fields that jaxsched does not implement (`logit_bias`, `suffix`,
+here by its names. OpenAI fields that jaxsched does not implement (`suffix`,
 `response_format` other than text, `tools`) are a 400 naming the field when they ask for
 something, never silently ignored; unknown fields are ignored, as by OpenAI.
 """
@@ -59,9 +59,16 @@ class _Sampling(BaseModel):
 
     def unsupported(self) -> Optional[str]:
         """The first field that asks for what jaxsched does not do, with why (a 400)."""
-        if self.logit_bias:
-            return "logit_bias: not supported (the compiled step takes no per-token biases)"
         return None
+
+    def bias(self) -> Optional[dict[int, float]]:
+        """logit_bias with OpenAI's string keys as token ids."""
+        if not self.logit_bias:
+            return None
+        if not all(k.isdigit() for k in self.logit_bias):
+            raise ValueError(f"logit_bias: keys must be token ids (digit strings), got "
+                             f"{sorted(k for k in self.logit_bias if not k.isdigit())[:3]!r}")
+        return {int(k): v for k, v in self.logit_bias.items()}
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -80,7 +87,8 @@ class _Sampling(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
-            truncate_prompt_tokens=self.truncate_prompt_tokens, use_beam_search=self.use_beam_search,
+            truncate_prompt_tokens=self.truncate_prompt_tokens, logit_bias=self.bias(),
+            use_beam_search=self.use_beam_search,
             length_penalty=self.length_penalty, early_stopping=self.early_stopping)
 
 
