@@ -219,3 +219,29 @@ def test_stop_token_id__reason_is_the_id_and_its_text_is_left_out():
     left_out, kept = (o.outputs[0] for o in got)
     assert left_out.token_ids == kept.token_ids == [1, 3]
     assert (left_out.text, kept.text) == ("a", "ac") and left_out.stop_reason == kept.stop_reason == 3
+
+
+def test_metrics__arrival_then_scheduled_then_tokens_then_finish():
+    proc = make_processor()
+    proc.add_request("a", None, [1], SamplingParams(max_tokens=2))
+    proc.add_request("never", None, [1], SamplingParams(max_tokens=2))
+    first = proc.output("a").metrics
+    assert first.first_scheduled_time is None and first.first_token_time is None and first.finished_time is None
+    proc.new_requests(0.0)
+    index = np.array([0, 1, -1, -1], np.int32)
+    # A step that batches "a" only: "a" is scheduled at the step's start, "never" still waits.
+    proc.process_outputs(step_output(request_index=index, scheduled=np.arange(SLOTS) == 0), started=first.arrival_time + 0.5)
+    a = proc.output("a").metrics
+    assert a.first_scheduled_time == first.arrival_time + 0.5 and a.time_in_queue == 0.5
+    assert proc.output("never").metrics.first_scheduled_time is None
+    reason = np.zeros((SLOTS, SEQS), np.int32)
+    reason[0, 0] = FinishReason.LENGTH_CAPPED
+    got, _ = proc.process_outputs(step_output(
+        request_index=index, scheduled=np.arange(SLOTS) == 0, has_token=np.eye(SLOTS, SEQS, dtype=bool),
+        new_token=np.full((SLOTS, SEQS), 4, np.int32), seq_finish_reason=reason, finished=np.arange(SLOTS) == 0,
+        finish_reason=np.where(np.arange(SLOTS) == 0, FinishReason.LENGTH_CAPPED, 0)), started=a.arrival_time + 1)
+    m = got[0].metrics
+    assert m.first_scheduled_time == a.first_scheduled_time                    # the first, kept
+    assert m.arrival_time <= m.first_token_time == m.last_token_time <= m.finished_time
+    proc.release("a")
+    assert proc.unscheduled == {1}

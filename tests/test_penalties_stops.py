@@ -195,13 +195,16 @@ def test_best_of__returns_the_n_most_likely_of_best_of_samples(llm):
     assert not llm.has_unfinished()
 
 
-def test_detokenize_false_and_truncate_prompt_tokens(llm):
+def test_detokenize_false_truncate_prompt_tokens_and_metrics(llm):
     ids = _greedy(llm, [3, 4, 5], detokenize=False, logprobs=1)
     assert ids.text == "" and len(ids.token_ids) == 24
     assert all(lp.decoded_token is None for e in ids.logprobs for lp in e.values())
     short = llm.generate([list(range(3, 13))], SamplingParams(max_tokens=2, truncate_prompt_tokens=4),
                          use_tqdm=False)[0]
     assert short.prompt_token_ids == [9, 10, 11, 12]
+    m = short.metrics                                   # vLLM's RequestMetrics, in time.time()
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time <= m.finished_time
+    assert m.time_in_queue == pytest.approx(m.first_scheduled_time - m.arrival_time)
 
 
 @pytest.mark.parametrize("field,value", [("use_beam_search", True), ("length_penalty", 0.5),

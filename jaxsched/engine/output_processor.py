@@ -14,13 +14,14 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import time
 from typing import Callable, Optional
 
 import numpy as np
 
 from jaxsched.core.state import IGNORE_REASONS, FinishReason
 from jaxsched.engine.input_processor import pack_new_requests
-from jaxsched.engine.params import CompletionOutput, Logprob, RequestOutput, SamplingParams
+from jaxsched.engine.params import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SamplingParams
 from jaxsched.engine.stats import EngineStats
 from jaxsched.engine.step import NewRequests
 
@@ -50,6 +51,8 @@ class RequestState:
     stop_reasons: list = dataclasses.field(default_factory=list)  # per sequence: str, int or None
     decode: Optional[Callable[[int], str]] = None                 # a token's text, for Logprob
     eos: Optional[int] = None                                     # the model's EOS token id
+    metrics: RequestMetrics = dataclasses.field(
+        default_factory=lambda: RequestMetrics(arrival_time=time.time(), last_token_time=time.time()))
 
     def output(self) -> RequestOutput:
         outs = [self._sequence(i) for i in range(self.params.best_of)]
@@ -57,7 +60,7 @@ class RequestState:
             # vLLM's order: by cumulative log-probability, best first (a stable sort).
             outs = sorted(outs, key=lambda c: -c.cumulative_logprob)[:self.params.n]
         return RequestOutput(self.request_id, self.prompt, list(self.prompt_ids), outs,
-                             self.finished, self.message)
+                             self.finished, self.message, metrics=dataclasses.replace(self.metrics))
 
     def _sequence(self, i: int) -> CompletionOutput:
         return CompletionOutput(
@@ -71,6 +74,7 @@ class RequestState:
 def finish(req: RequestState, reasons, message: Optional[str] = None) -> None:
     """Mark `req` finished with per-sequence `reasons` (a stop string's "stop" kept)."""
     req.finished = True
+    req.metrics.finished_time = time.time()
     req.reasons = [req.reasons[i] or reasons[i] for i in range(req.params.best_of)]
     req.message = message
     for i, d in enumerate(req.detok):
@@ -112,6 +116,9 @@ def _append_token(req: RequestState, out, slot: int, i: int) -> None:
     """Sequence i of `req` got its next token from `out` at `slot`: ids, log-probs, text."""
     tok = int(out.new_token[slot, i])
     req.tokens[i].append(tok)
+    req.metrics.last_token_time = time.time()
+    if req.metrics.first_token_time is None:
+        req.metrics.first_token_time = req.metrics.last_token_time
     req.logprobs[i].append(float(out.logprob[slot, i]))
     if req.params.logprobs is not None:
         if not req.logprob_dicts:
@@ -155,6 +162,7 @@ class OutputProcessor:
         self.requests: dict[int, RequestState] = {}
         self.by_id: dict[str, int] = {}
         self.queue: collections.deque[int] = collections.deque()
+        self.unscheduled: set[int] = set()   # handed to the engine, not yet in a step's batch
         self.active = 0            # requests handed to the engine and not yet freed there
         self.next_index = 0
 
@@ -203,6 +211,7 @@ class OutputProcessor:
         idx = self.by_id.get(request_id)
         if idx is not None and self.requests[idx].finished:
             del self.by_id[request_id], self.requests[idx]
+            self.unscheduled.discard(idx)
 
     def output(self, request_id: str) -> RequestOutput:
         return self.requests[self.by_id[request_id]].output()
@@ -223,13 +232,23 @@ class OutputProcessor:
         while self.queue and len(take) < min(self.rows, self.num_slots - self.active):
             take.append(self.requests[self.queue.popleft()])
         self.active += len(take)
+        self.unscheduled.update(req.index for req in take)
         return pack_new_requests(take, self.rows, self.max_prompt_len, now, self.seed)
 
-    def process_outputs(self, out) -> tuple[list[RequestOutput], list[int]]:
-        """A step's host-side `StepOutput`: (the outputs of the requests that advanced or
-        finished, the indices of requests every sequence of which met a stop string: finished
-        here, to be aborted in the engine to free their blocks)."""
+    def process_outputs(self, out, started: Optional[float] = None) -> tuple[list[RequestOutput], list[int]]:
+        """A step's host-side `StepOutput`, of a step that began at `started` (`time.time()`;
+        now if None): (the outputs of the requests that advanced or finished, the indices of
+        requests every sequence of which met a stop string: finished here, to be aborted in
+        the engine to free their blocks)."""
         changed, to_abort = [], []
+        if self.unscheduled:
+            started = time.time() if started is None else started
+            for slot in np.nonzero(out.scheduled)[0]:
+                req = self.requests.get(int(out.request_index[slot]))
+                if req is not None and req.index in self.unscheduled:
+                    self.unscheduled.discard(req.index)
+                    req.metrics.first_scheduled_time = started
+                    req.metrics.time_in_queue = started - req.metrics.arrival_time
         for slot in np.nonzero(out.has_token.any(1) | out.finished)[0]:
             req = self.requests.get(int(out.request_index[slot]))
             if req is None or req.finished:
@@ -247,6 +266,7 @@ class OutputProcessor:
                 to_abort.append(req.index)
             elif out.finished[slot]:
                 self.active -= 1
+                self.unscheduled.discard(req.index)      # e.g. aborted before it ran
                 reasons = [FINISH.get(int(out.seq_finish_reason[slot, i]), FINISH.get(int(out.finish_reason[slot])))
                            for i in range(req.params.best_of)]
                 message = None

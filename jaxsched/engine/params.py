@@ -202,10 +202,24 @@ class CompletionOutput:
 
 
 @dataclasses.dataclass
+class RequestMetrics:
+    """When a request's events happened (vLLM's fields; `time.time()` seconds). The request
+    arrives when it is added, is first scheduled at the start of the first engine step that
+    runs any of it (None while it waits, or if it never ran), and gets its first and latest
+    tokens and its finish when the steps that made them return."""
+    arrival_time: float
+    last_token_time: float
+    first_scheduled_time: Optional[float] = None
+    first_token_time: Optional[float] = None
+    time_in_queue: Optional[float] = None
+    finished_time: Optional[float] = None
+
+
+@dataclasses.dataclass
 class RequestOutput:
     """A request's outputs so far (vLLM's fields): its best `n` sequences, best first when
-    `best_of` > n. `prompt_logprobs` is always None (not computed); `message` (jaxsched's) says
-    why a request was ignored."""
+    `best_of` > n, and its `metrics`. `prompt_logprobs` is always None (not computed);
+    `message` (jaxsched's) says why a request was ignored."""
     request_id: str
     prompt: Optional[str]
     prompt_token_ids: list[int]
@@ -213,3 +227,4 @@ class RequestOutput:
     finished: bool = False
     message: Optional[str] = None
     prompt_logprobs: None = None
+    metrics: Optional[RequestMetrics] = None

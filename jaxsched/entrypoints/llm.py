@@ -328,13 +328,14 @@ class LLM(_FrontEnd):
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the requests that advanced or finished."""
         new = self._processor.new_requests(time.monotonic() - self._t0)
+        started = time.time()                # RequestMetrics' clock, as vLLM's
         start = time.perf_counter()
         self.state, out = self._step(self.state, self.params, new, jnp.float32(time.monotonic() - self._t0))
         out = jax.device_get(out)
         compiled = getattr(self._step, "compile_seconds", None)
         self._stats.record_time(time.perf_counter() - start, compiled)
         self._stats.record_step(out, compiles_lazily=compiled is not None)
-        changed, stopped = self._processor.process_outputs(out)
+        changed, stopped = self._processor.process_outputs(out, started)
         for idx in stopped:                 # finished at stop strings: free their blocks now
             self._abort_in_engine(idx)
         return changed
