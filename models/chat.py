@@ -122,6 +122,24 @@ def _plain(value: Any) -> Any:
     return f"<{type(value).__name__}>"
 
 
+def content_text(content: Any, field: str = "content") -> str:
+    """A chat message's content as one string: a string, None (empty), or OpenAI's list of
+    parts, of which only text parts (joined by newlines, as vLLM joins them); anything else
+    raises ValueError naming `field`."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, (list, tuple)):
+        raise ValueError(f"{field}: must be a string or a list of text parts, got {type(content).__name__}")
+    texts = []
+    for k, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise ValueError(f"{field}[{k}]: only text parts are supported (a text-only model), "
+                             f"got {kind if kind is not None else part!r}")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
 def render_chat(
     template: str,
     messages,

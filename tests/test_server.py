@@ -293,6 +293,37 @@ def test_vllm_fields_best_of_echo_stop_reason_truncation(server, offline):
     assert lp.text_offset == [len("".join(lp.tokens[:j])) for j in range(len(lp.tokens))]
 
 
+def test_tokenize_detokenize_version_content_parts_and_max_completion_tokens(server, offline):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(server + "/tokenize", json={"model": MODEL, "prompt": PROMPTS[0]}, timeout=60).json()
+    assert r["tokens"] == offline.tokenizer.encode(PROMPTS[0]) and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == 256
+    back = httpx.post(server + "/detokenize", json={"model": MODEL, "tokens": r["tokens"]}, timeout=60).json()
+    assert back["prompt"] == offline.tokenizer.decode(r["tokens"])
+    bad = httpx.post(server + "/detokenize", json={"tokens": [10**9]}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    assert httpx.get(server + "/version", timeout=60).json()["version"]
+    # OpenAI's content parts (text) are the same prompt as the string; /tokenize renders it too.
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is the capital"},
+                                          {"type": "text", "text": "of France?"}]}]
+    joined = [{"role": "user", "content": "What is the capital\nof France?"}]
+    client = _client(server)
+    a = client.chat.completions.create(model=MODEL, messages=parts, max_tokens=6, temperature=0)
+    b = client.chat.completions.create(model=MODEL, messages=joined, max_tokens=6, temperature=0)
+    assert a.choices[0].message.content == b.choices[0].message.content
+    assert a.choices[0].message.content == offline.chat(parts, SamplingParams(max_tokens=6, temperature=0.0)).outputs[0].text
+    counted = httpx.post(server + "/tokenize", json={"messages": parts}, timeout=60).json()["count"]
+    assert counted == a.usage.prompt_tokens
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]
+    r = httpx.post(server + "/v1/chat/completions", headers=auth, timeout=60, json={"model": MODEL, "messages": image})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    assert "messages[0].content[0]" in r.json()["error"]["message"]
+    # max_completion_tokens, OpenAI's newer name for a chat's max_tokens.
+    capped = client.chat.completions.create(model=MODEL, messages=joined, max_completion_tokens=3, temperature=0,
+                                            extra_body={"ignore_eos": True})
+    assert capped.usage.completion_tokens == 3 and capped.choices[0].finish_reason == "length"
+
+
 def _a_stop_string(text: str) -> str:
     """A word from the middle of a greedy output: generation must end right before it."""
     words = text.split()

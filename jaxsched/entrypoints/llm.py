@@ -32,6 +32,7 @@ from jaxsched.engine.step import EngineSpec, init_engine, token_buckets
 from jaxsched.entrypoints.compilation_cache import enable_compilation_cache
 from jaxsched.core.requests import abort as abort_slots
 from jaxsched.core.state import Status, set_limits
+from models.chat import content_text
 
 ENGINE_ARGS = {f.name for f in dataclasses.fields(SchedulerConfig)}
 Prompt = Union[str, Sequence[int]]
@@ -122,11 +123,12 @@ class _FrontEnd:
         for k, conv in enumerate(conversations):
             field = f"messages[{k}]" if batched else "messages"
             if not isinstance(conv, (list, tuple)) or not conv or not all(
-                    isinstance(m, dict) and isinstance(m.get("role"), str)
-                    and isinstance(m.get("content"), str) for m in conv):
+                    isinstance(m, dict) and isinstance(m.get("role"), str) for m in conv):
                 raise ValueError(f"{field}: must be a non-empty list of "
-                                 "{'role': str, 'content': str} messages")
-            text = self.tokenizer.apply_chat_template(list(conv), add_generation_prompt=add_generation_prompt)
+                                 "{'role': str, 'content': str or text parts} messages")
+            conv = [{**m, "content": content_text(m.get("content"), f"{field}[{j}].content")}
+                    for j, m in enumerate(conv)]
+            text = self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
             prompts.append(self.tokenizer.encode(text, add_special_tokens=False))
         outs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
         return outs if batched else outs[0]

@@ -6,8 +6,9 @@
 
 Routes as `vllm serve`'s: POST /v1/completions, POST /v1/chat/completions (streaming as
 server-sent events ending in `data: [DONE]`), GET /v1/models, GET /health, GET /metrics
-(Prometheus, vLLM's metric names). Every request joins the running batch at the next engine
-step; a client that disconnects is aborted and its blocks freed at once.
+(Prometheus, vLLM's metric names), POST /tokenize, POST /detokenize, GET /version. Every
+request joins the running batch at the next engine step; a client that disconnects is
+aborted and its blocks freed at once.
 """
 from __future__ import annotations
 
@@ -33,7 +34,9 @@ from pydantic import ValidationError
 from jaxsched.entrypoints.async_engine import AsyncEngine, QueueFull
 from jaxsched.entrypoints.cli_serve import DEFAULT_MODEL_NAME, MAX_BODY_BYTES
 from jaxsched.entrypoints.metrics import Metrics
-from jaxsched.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from models.chat import content_text
+from jaxsched.entrypoints.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                           TokenizeRequest, error_body)
 
 
 
@@ -146,16 +149,37 @@ class OpenAIServer:
         async def chat_completions(request: Request):
             req = await _read_json(request, ChatCompletionRequest, self.max_body_bytes)
             self._check_request(req)
-            tok = self._tokenizer()
-            if not tok.chat_template:
-                raise ApiError("messages: the model has no chat template", "messages")
-            text = tok.apply_chat_template([m.model_dump() for m in req.messages],
-                                           add_generation_prompt=req.add_generation_prompt)
-            ids = _truncated(tok.encode(text, add_special_tokens=False), req.truncate_prompt_tokens)
+            ids = _truncated(self._chat_ids(req.messages, req.add_generation_prompt), req.truncate_prompt_tokens)
             logprobs = (req.top_logprobs or 0) if req.logprobs else None
-            max_tokens = req.max_tokens or max(self.llm.config.max_model_len - len(ids), 1)
+            max_tokens = (req.max_completion_tokens or req.max_tokens
+                          or max(self.llm.config.max_model_len - len(ids), 1))
             params = self._params(req, ids, "messages", max_tokens, logprobs)
             return await self._serve(request, req, [(ids, params)], chat=True)
+
+        @app.post("/tokenize")
+        async def tokenize(request: Request):
+            req = await _read_json(request, TokenizeRequest, self.max_body_bytes)
+            self._check_model(req.model)
+            if (req.prompt is None) == (req.messages is None):
+                raise ApiError("prompt: send a prompt or messages, one of them", "prompt")
+            if req.messages is not None:
+                ids = self._chat_ids(req.messages, req.add_generation_prompt)
+            else:
+                ids = self._tokenizer().encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            return {"tokens": ids, "count": len(ids), "max_model_len": self.llm.config.max_model_len}
+
+        @app.post("/detokenize")
+        async def detokenize(request: Request):
+            req = await _read_json(request, DetokenizeRequest, self.max_body_bytes)
+            self._check_model(req.model)
+            vocab = self.llm.model_config.vocab_size
+            if any(t < 0 or t >= vocab for t in req.tokens):
+                raise ApiError(f"tokens: token ids must be in [0, vocab_size={vocab})", "tokens")
+            return {"prompt": self._tokenizer().decode(req.tokens)}
+
+        @app.get("/version")
+        async def version():
+            return {"version": _version()}
 
         return app
 
@@ -165,18 +189,34 @@ class OpenAIServer:
             raise ApiError("prompt: this model has no tokenizer; send token ids", "prompt")
         return self.llm.tokenizer
 
+    def _check_model(self, model: Optional[str]) -> None:
+        if model is not None and model != self.model_name:
+            raise ApiError(f"model: the model `{model}` does not exist; this server serves "
+                           f"`{self.model_name}`", "model", kind="NotFoundError")
+
     def _check_request(self, req) -> None:
         """What a request asks for that no engine limit decides: the model, the fields jaxsched
         does not implement, and best_of's stream."""
-        if req.model is not None and req.model != self.model_name:
-            raise ApiError(f"model: the model `{req.model}` does not exist; this server serves "
-                           f"`{self.model_name}`", "model", kind="NotFoundError")
+        self._check_model(req.model)
         if message := req.unsupported():
             raise ApiError(message, _field_of(message))
         if req.stream and req.best_of is not None and req.best_of != req.n:
             # vLLM answers such a request unstreamed, which a streaming client cannot read.
             raise ApiError(f"best_of: {req.best_of} != n={req.n} cannot be streamed (the best n "
                            f"are known at the end), as in OpenAI's API", "best_of")
+
+    def _chat_ids(self, messages, add_generation_prompt: bool) -> list[int]:
+        """Messages rendered with the model's chat template, as token ids."""
+        tok = self._tokenizer()
+        if not tok.chat_template:
+            raise ApiError("messages: the model has no chat template", "messages")
+        try:
+            rendered = [{**m.model_dump(), "content": content_text(m.content, f"messages[{k}].content")}
+                        for k, m in enumerate(messages)]
+        except ValueError as e:
+            raise ApiError(str(e), "messages") from None
+        text = tok.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt)
+        return tok.encode(text, add_special_tokens=False)
 
     def _echo(self, prompt) -> str:
         """A prompt's text, for echo (token ids decoded)."""
@@ -282,6 +322,14 @@ class OpenAIServer:
             for sub, done in zip(rids, finished):
                 if not done:
                     self.engine.abort(sub)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("jaxsched")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def _truncated(ids: list[int], keep: Optional[int]) -> list[int]:

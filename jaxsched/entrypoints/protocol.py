@@ -21,9 +21,10 @@ class StreamOptions(BaseModel):
 
 
 class ChatMessage(BaseModel):
+    """A message; `content` a string or OpenAI's list of parts (text only: models.chat)."""
     model_config = ConfigDict(extra="allow")
     role: str
-    content: str
+    content: Union[str, list[dict], None] = None
 
 
 class _Sampling(BaseModel):
@@ -109,6 +110,7 @@ class CompletionRequest(_Sampling):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(default=None, ge=1)   # OpenAI's newer max_tokens
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
@@ -122,6 +124,20 @@ class ChatCompletionRequest(_Sampling):
         if self.tools:
             return "tools: not supported (no tool calling or parsing of tool calls)"
         return super().unsupported()
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or chat messages rendered with the model's template."""
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model: Optional[str] = None
+    tokens: list[int]
 
 
 def error_body(message: str, param: Optional[str] = None, kind: str = "BadRequestError",
