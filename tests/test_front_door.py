@@ -323,6 +323,19 @@ def test_cli__prefix_caching_and_capacity_flags_reach_the_engine_and_the_sweep(m
     assert seen["enable_prefix_caching"] == "false,true"
 
 
+def test_cli_serve__takes_the_model_as_vllm_serve_does(monkeypatch, capsys):
+    """`jaxsched serve MODEL`, as `vllm serve MODEL`: the same as --model; both, differing, exit 2."""
+    from jaxsched.entrypoints import cli, openai_server
+    seen = []
+    monkeypatch.setattr(openai_server, "run_server", lambda args: seen.append(args.model) or 0)
+    assert cli.main(["serve", "some/model.gguf", "--port", "9"]) == 0
+    assert cli.main(["serve", "--model", "other.gguf"]) == 0
+    assert cli.main(["serve", "a.gguf", "--model", "a.gguf"]) == 0
+    assert seen == ["some/model.gguf", "other.gguf", "a.gguf"]
+    assert cli.main(["serve", "a.gguf", "--model", "b.gguf"]) == 2
+    assert "the model is given twice" in capsys.readouterr().err and len(seen) == 3
+
+
 def test_xla_flags__a_users_xla_flags_win_and_the_defaults_are_set_otherwise(monkeypatch):
     from jaxsched.entrypoints.xla_flags import CPU_FLAGS, use_xla_flags
     monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=somewhere")

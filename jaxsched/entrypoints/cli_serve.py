@@ -17,8 +17,11 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
                               description="An OpenAI-compatible server (as `vllm serve`): "
                               "/v1/completions, /v1/chat/completions, /v1/models, /health, "
-                              "/metrics. With no --model: the embedded SmolLM2-135M-Instruct.")
+                              "/metrics, /tokenize, /detokenize, /version. With no model: the "
+                              "embedded SmolLM2-135M-Instruct.")
     a = p.add_argument
+    a("model_tag", nargs="?", default=None, metavar="MODEL",
+      help="the model, as `vllm serve MODEL`: the same as --model")
     a("--host", default="127.0.0.1", help="address to listen on")
     a("--port", type=int, default=8000, help="port to listen on")
     a("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes "
@@ -36,5 +39,12 @@ def register(subparsers) -> None:
 
 
 def _run_server(args: argparse.Namespace) -> int:
+    import sys
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            print(f"jaxsched serve: the model is given twice: {args.model_tag!r} and --model "
+                  f"{args.model!r}", file=sys.stderr)
+            return 2
+        args.model = args.model_tag
     from jaxsched.entrypoints.openai_server import run_server
     return run_server(args)
