@@ -4,6 +4,8 @@
     load_model("smollm2-135m")        the same
     load_model("/path/model.gguf")    any Llama-family GGUF
     load_model("/path/hf_dir")        config.json + *.safetensors (+ tokenizer.json)
+    load_model("org/name")            a Hugging Face Hub id, as vLLM's: its snapshot in the local
+                                      HF cache, else downloaded where the network allows
 
 Weights are assigned into an abstract model (`nnx.eval_shape`), so nothing is randomly
 initialised first.
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import pathlib
+import re
 from typing import Optional
 
 import numpy as np
@@ -24,6 +27,31 @@ from models.tokenizer import Tokenizer
 
 DEFAULT_MODEL = "smollm2-135m"
 _ALIASES = {"smollm2-135m", "smollm2-135m-instruct", "smollm2"}
+
+
+# A Hub id: "org/name" (letters, digits, '-', '_', '.'), not a path that exists.
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+# What a Llama checkpoint needs: config, weights, tokenizer (no *.bin, *.pth or GGUF copies).
+_HUB_FILES = ["*.json", "*.safetensors", "tokenizer*"]
+
+
+def hub_snapshot(repo_id: str) -> pathlib.Path:
+    """The local directory of a Hugging Face Hub model: its snapshot in the local HF cache
+    (`HF_HUB_CACHE`), else downloaded (huggingface_hub, which `tokenizers` brings). Without
+    either, one FileNotFoundError that says what was tried."""
+    from huggingface_hub import snapshot_download
+    try:
+        return pathlib.Path(snapshot_download(repo_id, allow_patterns=_HUB_FILES, local_files_only=True))
+    except Exception:                                         # not cached: download below
+        pass
+    try:
+        return pathlib.Path(snapshot_download(repo_id, allow_patterns=_HUB_FILES))
+    except Exception as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise FileNotFoundError(
+            f"model {repo_id!r}: not a file or directory, not in the local Hugging Face cache, and "
+            f"downloading it from the Hub failed ({type(e).__name__}: {reason[:300]}). Give a .gguf "
+            f"file or an HF directory, or the embedded {DEFAULT_MODEL!r}") from None
 
 
 def build_model(config: LlamaConfig, tensors: dict[str, np.ndarray], consume: bool = False) -> LlamaForCausalLM:
@@ -61,8 +89,10 @@ def load_weights(name_or_path: Optional[str] = None, dtype: str = "float32"
     else:
         path = pathlib.Path(name)
         if not path.exists():
-            raise FileNotFoundError(f"model {name!r}: no such file or directory, and not one of "
-                                    f"the built-in names {sorted(_ALIASES)}")
+            if not _HUB_ID.fullmatch(name):
+                raise FileNotFoundError(f"model {name!r}: no such file or directory, and not one of "
+                                        f"the built-in names {sorted(_ALIASES)}")
+            path = hub_snapshot(name)
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(f"model {str(path)!r}: expected a .gguf file or an HF directory")

@@ -450,6 +450,30 @@ def _assert_equal_state(tensors, model, tied):
             np.testing.assert_array_equal(arr, t.numpy(), err_msg=name)
 
 
+def test_hub_id__loads_from_the_local_hf_cache_or_says_what_was_tried(tmp_path, monkeypatch):
+    """`LLM("org/name")`, as vLLM's: a Hub id resolves to its snapshot in the local HF cache;
+    not cached and offline, one FileNotFoundError naming the id and what was tried."""
+    from huggingface_hub import constants
+    from models.loader import load_weights
+    path, model = _save_tiny_hf(tmp_path, "saved", num_key_value_heads=2)
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--some-org--tiny-llama"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    (repo / "snapshots").mkdir()
+    path.rename(repo / "snapshots" / commit)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    config, tensors, _ = load_weights("some-org/tiny-llama")
+    assert config.num_hidden_layers == 2 and config.num_key_value_heads == 2
+    _assert_equal_state(tensors, model, tied=False)
+    with pytest.raises(FileNotFoundError, match=r"model 'some-org/not-cached': not a file or directory, "
+                                                r"not in the local Hugging Face cache"):
+        load_weights("some-org/not-cached")
+    with pytest.raises(FileNotFoundError, match="not one of the built-in names"):
+        load_weights("no-such-model")                     # not a Hub id: no look-up at all
+
+
 @pytest.mark.parametrize(
     "variant",
     ["mha", "gqa", "tied", "sharded", "bf16"],

@@ -114,7 +114,8 @@ def add_engine_args(parser: argparse.ArgumentParser, defaults: dict | None = Non
     for name in SIZED_FLAGS:
         if name in counted:
             parser.set_defaults(**{f"_default_{name}": counted[name]})
-    a("--model", default=None, help="smollm2-135m (the embedded default), a .gguf file or an HF directory")
+    a("--model", default=None, help="smollm2-135m (the embedded default), a .gguf file, an HF directory, "
+      "or a Hugging Face Hub id (org/name: the local HF cache, else a download)")
     a("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights' dtype")
     for name, (kind, text) in ENGINE_FLAGS.items():
         if name in counted:

@@ -114,7 +114,7 @@ def register(subparsers) -> None:
       "the device's share that the weights, working memory and KV cache may use (needs --model)")
     s("--swap-space", metavar="SPEC", help="sweep axis, GiB of host swap per device, e.g. 1,4,16 (needs --model)")
     s("--model", help="the model whose memory turns the memory axes into block counts "
-      "(smollm2-135m, a .gguf file or an HF directory); measured on this backend")
+      "(smollm2-135m, a .gguf file, an HF directory or a Hub id); measured on this backend")
     s("--dtype", default="float32", choices=["float32", "bfloat16"], help="with --model: weights' dtype")
     s("--device-memory", type=float, metavar="GIB",
       help="with --model: plan for a device of this many GiB (default: this backend's memory)")
