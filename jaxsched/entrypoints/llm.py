@@ -123,7 +123,7 @@ class _FrontEnd:
         for k, conv in enumerate(conversations):
             field = f"messages[{k}]" if batched else "messages"
             if not isinstance(conv, (list, tuple)) or not conv or not all(
-                    isinstance(m, dict) and isinstance(m.get("role"), str) for m in conv):
+                    isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in conv):
                 raise ValueError(f"{field}: must be a non-empty list of "
                                  "{'role': str, 'content': str or text parts} messages")
             conv = [{**m, "content": content_text(m.get("content"), f"{field}[{j}].content")}

@@ -24,7 +24,7 @@ class ChatMessage(BaseModel):
     """A message; `content` a string or OpenAI's list of parts (text only: models.chat)."""
     model_config = ConfigDict(extra="allow")
     role: str
-    content: Union[str, list[dict], None] = None
+    content: Union[str, list[dict], None]           # required; null as OpenAI allows it
 
 
 class _Sampling(BaseModel):
