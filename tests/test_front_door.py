@@ -111,6 +111,20 @@ def test_llm__max_model_len_beyond_the_models_context_is_rejected_with_both_numb
         LLM(LlamaForCausalLM(config, nnx.Rngs(0)), tokenizer=tokenizer, max_model_len=100000)
 
 
+def test_llm__vllm_dtype_names_and_flags_as_vllm_code_passes_them(tokenizer):
+    from jaxsched import LLM
+    for bad in ("float16", "bogus"):
+        with pytest.raises(ValueError, match=f"dtype: must be one of .*got '{bad}'"):
+            LLM("/nonexistent/model.gguf", dtype=bad)             # before the model loads
+    config = LlamaConfig(vocab_size=tokenizer.vocab_size, hidden_size=16, intermediate_size=32,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                         max_position_embeddings=128)
+    llm = LLM(LlamaForCausalLM(config, nnx.Rngs(0)), tokenizer=tokenizer, dtype="auto", enforce_eager=True,
+              trust_remote_code=True, num_device_blocks=8, num_host_blocks=8, max_model_len=64,
+              max_num_batched_tokens=64)
+    assert llm.model_config.dtype == "float32"
+
+
 def test_llm__bad_engine_arguments_fail_before_the_model_loads():
     from jaxsched import LLM
     # A model path that does not exist: the config error must come first.

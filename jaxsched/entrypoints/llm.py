@@ -148,6 +148,11 @@ class LLM(_FrontEnd):
     seconds to a minute on CPU, one compile per measured prefill length; single-device
     engines only). Left out, "auto" uses `core.costs.DEFAULT_COSTS`, measured for SmolLM2-135M
     on a 2-core CPU: cheap swaps, so it swaps whenever the host pool has room.
+
+    `dtype` takes vLLM's names: "float32" (or "float", or "auto": jaxsched's default) and
+    "bfloat16". `enforce_eager` and `trust_remote_code` are vLLM's, taken so vLLM code runs
+    unchanged, and change nothing: jaxsched has no CUDA graphs to leave out (every step is
+    one compiled XLA program, as vLLM's graphs are) and never runs a model's own code.
     """
 
     def __new__(cls, *args, mesh_shape=None, **kwargs):
@@ -163,11 +168,13 @@ class LLM(_FrontEnd):
                  attention_impl: str = "chunked", max_requests_per_step: int = 8,
                  mesh_shape: Optional[tuple[int, int]] = None, tensor_parallel_size: Optional[int] = None,
                  devices=None, gpu_memory_utilization: float = 0.9, swap_space: float = 4,
-                 device_memory_bytes: Optional[int] = None, **engine_args):
+                 device_memory_bytes: Optional[int] = None, enforce_eager: bool = False,
+                 trust_remote_code: bool = False, **engine_args):
         unknown = sorted(set(engine_args) - ENGINE_ARGS)
         if unknown:
             raise TypeError(f"LLM: unknown engine argument {unknown[0]!r}; "
                             f"expected SchedulerConfig fields")
+        dtype = model_dtype(dtype)
         _check_engine_args(engine_args)                  # bad flags fail before any loading
         sizing.check_args(gpu_memory_utilization, swap_space)
         enable_compilation_cache()                       # a second start loads, not compiles
@@ -382,6 +389,18 @@ class LLM(_FrontEnd):
         """Steps, tokens, throughput of the steps that compiled nothing, preemptions, block
         moves, ignored requests, peak blocks in use, engine and compile seconds."""
         return self._stats.as_dict()
+
+
+# vLLM's dtype names and the weights' dtype each gives here.
+DTYPES = {"auto": "float32", "float": "float32", "float32": "float32", "bfloat16": "bfloat16"}
+
+
+def model_dtype(dtype: str) -> str:
+    """The weights' dtype for a `dtype` argument (vLLM's names), or ValueError naming it."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: must be one of {sorted(DTYPES)}, got {dtype!r}"
+                         + (" (float16 is not supported: use bfloat16)" if dtype in ("half", "float16") else ""))
+    return DTYPES[dtype]
 
 
 def load_model_parts(model, tokenizer, dtype):

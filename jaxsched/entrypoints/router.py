@@ -10,7 +10,7 @@ The replicas step one after another in this process.
 from __future__ import annotations
 
 import time
-from jaxsched.entrypoints.llm import LLM, _FrontEnd, load_model_parts
+from jaxsched.entrypoints.llm import LLM, _FrontEnd, load_model_parts, model_dtype
 from jaxsched.engine.params import RequestOutput, SamplingParams
 
 
@@ -21,6 +21,7 @@ class DataParallelLLM(_FrontEnd):
                  devices=None, **kwargs):
         from jaxsched.engine.sharding import make_mesh
         data, tp = mesh_shape
+        dtype = model_dtype(dtype)
         model_config, tensors, instance, tokenizer = load_model_parts(model, tokenizer, dtype)
         mesh = make_mesh(data, tp, devices)
         self.replicas = [LLM((model_config, tensors, instance), mesh_shape=(1, tp), tokenizer=tokenizer,
