@@ -92,6 +92,20 @@ def test_generate__a_malformed_batch_is_rejected_whole_with_nothing_queued(llm, 
     assert len(llm._processor.requests) == before and _idle(llm)
 
 
+def test_generate__vllms_prompt_token_ids_and_get_tokenizer(llm):
+    tok = llm.get_tokenizer()
+    ids = [tok.encode("Hello"), tok.encode("The sky is")]
+    by_ids = llm.generate(prompt_token_ids=ids, sampling_params=GREEDY, use_tqdm=False)
+    by_text = llm.generate(["Hello", "The sky is"], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in by_ids] == [o.outputs[0].token_ids for o in by_text]
+    assert [o.prompt_token_ids for o in by_ids] == ids
+    with pytest.raises(ValueError, match="prompt_token_ids: give prompts or prompt_token_ids, not both"):
+        llm.generate(["Hello"], GREEDY, prompt_token_ids=ids)
+    with pytest.raises(ValueError, match=r"prompts\[1\]: must have at least one token"):
+        llm.generate(prompt_token_ids=[ids[0], []], sampling_params=GREEDY)
+    assert _idle(llm)
+
+
 def test_chat__a_list_of_conversations_returns_a_list(llm):
     convs = [[{"role": "user", "content": "Hi"}], [{"role": "user", "content": "Bye"}]]
     outs = llm.chat(convs, GREEDY)

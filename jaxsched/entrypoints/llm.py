@@ -74,9 +74,24 @@ class _FrontEnd:
             self._enqueue(rid, *args)
         return ids
 
-    def generate(self, prompts, sampling_params: Optional[SamplingParams] = None,
+    def get_tokenizer(self):
+        """The tokenizer (vLLM's name): encode, decode, apply_chat_template, eos_token_id."""
+        return self.tokenizer
+
+    def generate(self, prompts=None, sampling_params: Optional[SamplingParams] = None,
+                 prompt_token_ids: Optional[list[list[int]]] = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for every prompt; outputs in prompt order."""
+        """Generate for every prompt; outputs in prompt order. `prompt_token_ids` is vLLM's
+        older way to give prompts as ids (the prompts then must be left out)."""
+        if prompt_token_ids is not None:
+            if prompts is not None:
+                raise ValueError("prompt_token_ids: give prompts or prompt_token_ids, not both")
+            if not isinstance(prompt_token_ids, (list, tuple)) or not all(
+                    isinstance(p, (list, tuple, np.ndarray)) for p in prompt_token_ids):
+                raise ValueError("prompt_token_ids: must be a list of token-id lists")
+            prompts = [{"prompt_token_ids": list(p)} for p in prompt_token_ids]
+        if prompts is None:
+            raise ValueError("prompts: missing (give prompts or prompt_token_ids)")
         ids = self._submit(prompts, sampling_params)
         bar = None
         if use_tqdm and len(ids) > 1:
