@@ -122,6 +122,22 @@ def _plain(value: Any) -> Any:
     return f"<{type(value).__name__}>"
 
 
+def load_chat_template(value: str, field: str = "chat_template") -> str:
+    """A chat template given as a file path or as the template itself (vLLM's
+    --chat-template), compiled once to check it; ValueError naming `field` otherwise."""
+    import pathlib
+    path = pathlib.Path(value) if len(value) < 4096 and "\n" not in value else None
+    if path is not None and path.is_file():
+        value = path.read_text(encoding="utf-8")
+    elif "{{" not in value and "{%" not in value:
+        raise ValueError(f"{field}: {value!r} is neither a file nor a Jinja chat template")
+    try:
+        compile_chat_template(value)
+    except jinja2.TemplateError as e:
+        raise ValueError(f"{field}: the template does not compile: {e}") from None
+    return value
+
+
 def content_text(content: Any, field: str = "content") -> str:
     """A chat message's content as one string: a string, None (empty), or OpenAI's list of
     parts, of which only text parts (joined by newlines, as vLLM joins them); anything else

@@ -301,16 +301,19 @@ class Tokenizer:
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages, add_generation_prompt: bool = True, tokenize: bool = False, **kwargs):
-        """Render ``messages`` with this tokenizer's chat template (see ``models.chat.render_chat``);
-        ``tokenize=True`` returns ids (no BOS added: templates write their own special tokens)."""
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, tokenize: bool = False,
+                            chat_template: str | None = None, **kwargs):
+        """Render ``messages`` with ``chat_template`` or this tokenizer's own (see
+        ``models.chat.render_chat``); ``tokenize=True`` returns ids (no BOS added: templates
+        write their own special tokens)."""
         from .chat import render_chat
 
-        if self.chat_template is None:
+        template = chat_template or self.chat_template
+        if template is None:
             raise ValueError("This tokenizer has no chat_template")
         special = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}
         special.update(kwargs)
-        text = render_chat(self.chat_template, messages, add_generation_prompt=add_generation_prompt, **special)
+        text = render_chat(template, messages, add_generation_prompt=add_generation_prompt, **special)
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
     def detokenizer(self, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = False) -> "IncrementalDetokenizer":

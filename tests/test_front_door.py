@@ -106,6 +106,33 @@ def test_generate__vllms_prompt_token_ids_and_get_tokenizer(llm):
     assert _idle(llm)
 
 
+PLAIN_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+
+
+def test_chat_template__per_call_per_engine_and_from_a_file(llm, tokenizer, tmp_path, capsys):
+    from jaxsched import LLM
+    from jaxsched.entrypoints import cli
+    conv = [{"role": "user", "content": "Hi"}]
+    out = llm.chat(conv, GREEDY, chat_template=PLAIN_TEMPLATE)
+    assert out.prompt_token_ids == tokenizer.encode("[user] Hi\n", add_special_tokens=False)
+    assert llm.chat(conv, GREEDY).prompt_token_ids != out.prompt_token_ids      # the model's own, still
+    path = tmp_path / "plain.jinja"
+    path.write_text(PLAIN_TEMPLATE)
+    config = LlamaConfig(vocab_size=tokenizer.vocab_size, hidden_size=16, intermediate_size=32,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                         max_position_embeddings=128)
+    own = LLM(LlamaForCausalLM(config, nnx.Rngs(0)), tokenizer=tokenizer, chat_template=str(path),
+              num_device_blocks=8, num_host_blocks=8, max_model_len=64, max_num_batched_tokens=64)
+    assert own.chat(conv, GREEDY).prompt_token_ids == out.prompt_token_ids
+    assert tokenizer.chat_template != PLAIN_TEMPLATE                             # the caller's untouched
+    for bad, why in (("no-such-template", "neither a file nor a Jinja chat template"),
+                     ("{% for m in messages %}", "does not compile")):
+        with pytest.raises(ValueError, match=f"chat_template: .*{why}"):
+            llm.chat(conv, GREEDY, chat_template=bad)
+        assert cli.main(["generate", "--chat-template", bad]) == 2               # before the model loads
+        assert "--chat-template: " in capsys.readouterr().err
+
+
 def test_chat__a_list_of_conversations_returns_a_list(llm):
     convs = [[{"role": "user", "content": "Hi"}], [{"role": "user", "content": "Bye"}]]
     outs = llm.chat(convs, GREEDY)

@@ -117,6 +117,8 @@ def add_engine_args(parser: argparse.ArgumentParser, defaults: dict | None = Non
     a("--model", default=None, help="smollm2-135m (the embedded default), a .gguf file, an HF directory, "
       "or a Hugging Face Hub id (org/name: the local HF cache, else a download)")
     a("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights' dtype")
+    a("--chat-template", default=None, help="a Jinja chat template, or its file, to use instead "
+      "of the tokenizer's (as vLLM's)")
     for name, (kind, text) in ENGINE_FLAGS.items():
         if name in counted:
             text += f"; without --gpu-memory-utilization / --swap-space: {counted[name]}"
@@ -159,6 +161,8 @@ def engine_kwargs(args) -> dict:
         engine["enable_chunked_prefill"] = True
     if args.enable_prefix_caching:
         engine["enable_prefix_caching"] = True
+    if args.chat_template is not None:
+        engine["chat_template"] = args.chat_template
     if args.tensor_parallel_size or args.data_parallel_size:
         engine["mesh_shape"] = (args.data_parallel_size or 1, args.tensor_parallel_size or 1)
     for flag in ("tensor_parallel_size", "data_parallel_size"):
@@ -173,8 +177,11 @@ def check_engine_kwargs(engine: dict):
     from jaxsched.entrypoints.llm import _check_engine_args
     from jaxsched.engine.sizing import check_args
     check_args(engine.get("gpu_memory_utilization", 0.9), engine.get("swap_space", 4))
+    if "chat_template" in engine:
+        from models.chat import load_chat_template
+        load_chat_template(engine["chat_template"], "--chat-template")
     return _check_engine_args({k: v for k, v in engine.items()
-                               if k != "mesh_shape" and k not in SIZING_FLAGS})
+                               if k not in ("mesh_shape", "chat_template") and k not in SIZING_FLAGS})
 
 
 def _say(text: str) -> None:

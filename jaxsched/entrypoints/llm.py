@@ -11,6 +11,7 @@ engine's `OutputProcessor`, and the counters of `stats()` its `EngineStats`.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import pathlib
 import time
@@ -32,7 +33,7 @@ from jaxsched.engine.step import EngineSpec, init_engine, token_buckets
 from jaxsched.entrypoints.compilation_cache import enable_compilation_cache
 from jaxsched.core.requests import abort as abort_slots
 from jaxsched.core.state import Status, set_limits
-from models.chat import content_text
+from models.chat import content_text, load_chat_template
 
 ENGINE_ARGS = {f.name for f in dataclasses.fields(SchedulerConfig)}
 Prompt = Union[str, Sequence[int]]
@@ -123,14 +124,18 @@ class _FrontEnd:
                     yield out
 
     def chat(self, messages, sampling_params: Optional[SamplingParams] = None,
-             use_tqdm: bool = False, add_generation_prompt: bool = True):
-        """Render the model's own chat template and generate the assistant's reply.
+             use_tqdm: bool = False, add_generation_prompt: bool = True,
+             chat_template: Optional[str] = None):
+        """Render the model's own chat template (or `chat_template`: a template or its file)
+        and generate the assistant's reply.
 
         `messages` is one conversation (a list of {"role", "content"} dicts), which returns
         one RequestOutput, or a list of conversations, which returns a list, as vLLM's does.
         """
-        if self.tokenizer is None or not self.tokenizer.chat_template:
-            raise ValueError("chat: the model has no tokenizer with a chat template")
+        template = load_chat_template(chat_template) if chat_template is not None else None
+        if self.tokenizer is None or not (template or self.tokenizer.chat_template):
+            raise ValueError("chat: the model has no tokenizer with a chat template "
+                             "(give one: chat_template=...)")
         batched = isinstance(messages, (list, tuple)) and bool(messages) and all(
             isinstance(m, (list, tuple)) for m in messages)
         conversations = list(messages) if batched else [messages]
@@ -143,7 +148,8 @@ class _FrontEnd:
                                  "{'role': str, 'content': str or text parts} messages")
             conv = [{**m, "content": content_text(m.get("content"), f"{field}[{j}].content")}
                     for j, m in enumerate(conv)]
-            text = self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
+            text = self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
+                                                      chat_template=template)
             prompts.append(self.tokenizer.encode(text, add_special_tokens=False))
         outs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
         return outs if batched else outs[0]
@@ -168,6 +174,8 @@ class LLM(_FrontEnd):
     "bfloat16". `enforce_eager` and `trust_remote_code` are vLLM's, taken so vLLM code runs
     unchanged, and change nothing: jaxsched has no CUDA graphs to leave out (every step is
     one compiled XLA program, as vLLM's graphs are) and never runs a model's own code.
+    `chat_template` (a Jinja template or its file, as `vllm serve --chat-template`) replaces
+    the tokenizer's for `chat` and the server.
     """
 
     def __new__(cls, *args, mesh_shape=None, **kwargs):
@@ -184,12 +192,13 @@ class LLM(_FrontEnd):
                  mesh_shape: Optional[tuple[int, int]] = None, tensor_parallel_size: Optional[int] = None,
                  devices=None, gpu_memory_utilization: float = 0.9, swap_space: float = 4,
                  device_memory_bytes: Optional[int] = None, enforce_eager: bool = False,
-                 trust_remote_code: bool = False, **engine_args):
+                 trust_remote_code: bool = False, chat_template: Optional[str] = None, **engine_args):
         unknown = sorted(set(engine_args) - ENGINE_ARGS)
         if unknown:
             raise TypeError(f"LLM: unknown engine argument {unknown[0]!r}; "
                             f"expected SchedulerConfig fields")
         dtype = model_dtype(dtype)
+        template = load_chat_template(chat_template) if chat_template is not None else None
         _check_engine_args(engine_args)                  # bad flags fail before any loading
         sizing.check_args(gpu_memory_utilization, swap_space)
         enable_compilation_cache()                       # a second start loads, not compiles
@@ -199,6 +208,9 @@ class LLM(_FrontEnd):
         if data > 1:
             raise ValueError("LLM: mesh_shape with data > 1 is DataParallelLLM's; LLM(...) returns one")
         model_config, tensors, instance, tokenizer = load_model_parts(model, tokenizer, dtype)
+        if template is not None and tokenizer is not None:
+            tokenizer = copy.copy(tokenizer)                 # the caller's keeps its own
+            tokenizer.chat_template = template
         self.model_config, self.tokenizer = model_config, tokenizer
         measure = _resolve_costs(engine_args, data * tp > 1 or bool(devices))
         context = model_config.max_position_embeddings
