@@ -30,10 +30,14 @@ FINISH = {FinishReason.LENGTH_CAPPED: "length", FinishReason.STOPPED: "stop",
           FinishReason.IGNORED: "ignored", FinishReason.ABORTED: "abort"}
 
 
+def _arrived(now: float) -> RequestMetrics:
+    return RequestMetrics(arrival_time=now, last_token_time=now)
+
+
 @dataclasses.dataclass
 class RequestState:
     """One request on the host. The engine samples `params.best_of` sequences; `output` gives
-    the `params.n` with the highest cumulative log-probability (all of them when equal)."""
+    the `params.n` with the highest cumulative log-probability (every one when best_of == n)."""
     index: int                 # the engine's id of the request (StepOutput.request_index)
     request_id: str
     prompt: Optional[str]
@@ -51,8 +55,7 @@ class RequestState:
     stop_reasons: list = dataclasses.field(default_factory=list)  # per sequence: str, int or None
     decode: Optional[Callable[[int], str]] = None                 # a token's text, for Logprob
     eos: Optional[int] = None                                     # the model's EOS token id
-    metrics: RequestMetrics = dataclasses.field(
-        default_factory=lambda: RequestMetrics(arrival_time=time.time(), last_token_time=time.time()))
+    metrics: RequestMetrics = dataclasses.field(default_factory=lambda: _arrived(time.time()))
 
     def output(self) -> RequestOutput:
         outs = [self._sequence(i) for i in range(self.params.best_of)]
