@@ -3,7 +3,7 @@
 `SamplingParams` has every field of vLLM 0.5.3's, checks every field when it is built, as
 vLLM's does, and raises one `ValueError` that names the field and its limit; `validate` with
 an engine's limits adds those only it knows (`max_num_seqs`, `max_seqs_per_group`,
-`max_model_len`). The fields of vLLM's that jaxsched does not implement (beam search, prompt
+`max_model_len`, `vocab_size`). The fields of vLLM's that jaxsched does not implement (beam search, prompt
 log-probabilities, Python logits processors) take their defaults only: any other value is
 that one clear error, never silently ignored.
 """
@@ -104,7 +104,7 @@ class SamplingParams:
         self.validate()
 
     def validate(self, max_num_seqs: Optional[int] = None, max_seqs_per_group: Optional[int] = None,
-                 max_model_len: Optional[int] = None) -> None:
+                 max_model_len: Optional[int] = None, vocab_size: Optional[int] = None) -> None:
         """Every field's own limits, then the engine's where they are given."""
         if not _is_int(self.n) or self.n < 1:
             _bad("n", f"must be an integer >= 1, got {self.n!r}")
@@ -169,6 +169,8 @@ class SamplingParams:
         if max_seqs_per_group is not None and self.best_of > max_seqs_per_group:
             _bad(field, f"{self.best_of} exceeds the engine's max_seqs_per_group={max_seqs_per_group} "
                  f"(raise it with LLM(max_seqs_per_group=...))")
+        if vocab_size is not None and self.logit_bias and max(self.logit_bias) >= vocab_size:
+            _bad("logit_bias", f"token ids must be in [0, vocab_size={vocab_size}), got {max(self.logit_bias)}")
         if max_model_len is not None and self.max_tokens > max_model_len:
             _bad("max_tokens", f"{self.max_tokens} exceeds max_model_len={max_model_len}")
 

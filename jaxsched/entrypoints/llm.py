@@ -92,7 +92,8 @@ class _FrontEnd:
                 raise ValueError("prompt_token_ids: must be a list of token-id lists")
             prompts = [{"prompt_token_ids": list(p)} for p in prompt_token_ids]
         if prompts is None:
-            raise ValueError("prompts: missing (give prompts or prompt_token_ids)")
+            raise ValueError("prompts: must be given (a string, a list of token ids or a list of "
+                             "prompts), or prompt_token_ids")
         ids = self._submit(prompts, sampling_params)
         bar = None
         if use_tqdm and len(ids) > 1:
@@ -311,13 +312,10 @@ class LLM(_FrontEnd):
             params = SamplingParams()
         elif not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params: must be a SamplingParams, got {type(params).__name__}")
-        params.validate(self.config.max_num_seqs, self.config.max_seqs_per_group)
+        params.validate(self.config.max_num_seqs, self.config.max_seqs_per_group,
+                        vocab_size=self.model_config.vocab_size)
         if params.stop and self.tokenizer is None:
             raise ValueError("SamplingParams.stop: stop strings need a tokenizer; use stop_token_ids")
-        vocab = self.model_config.vocab_size
-        if params.logit_bias and max(params.logit_bias) >= vocab:
-            raise ValueError(f"SamplingParams.logit_bias: token ids must be in [0, vocab_size={vocab}), "
-                             f"got {max(params.logit_bias)}")
         text, ids = self._encode(prompt, field)
         if params.truncate_prompt_tokens:            # vLLM's: the prompt's last k tokens
             ids = ids[-params.truncate_prompt_tokens:]

@@ -34,9 +34,9 @@ from pydantic import ValidationError
 from jaxsched.entrypoints.async_engine import AsyncEngine, QueueFull
 from jaxsched.entrypoints.cli_serve import DEFAULT_MODEL_NAME, MAX_BODY_BYTES
 from jaxsched.entrypoints.metrics import Metrics
-from models.chat import content_text
 from jaxsched.entrypoints.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                            TokenizeRequest, error_body)
+from models.chat import content_text
 
 
 
@@ -244,12 +244,9 @@ class OpenAIServer:
             raise ApiError(f"n: {req.n} exceeds max_num_seqs={cfg.max_num_seqs}", "n")
         try:
             params = req.sampling_params(max_tokens, logprobs)
-            params.validate(cfg.max_num_seqs, cfg.max_seqs_per_group)
+            params.validate(cfg.max_num_seqs, cfg.max_seqs_per_group, vocab_size=vocab)
         except (ValueError, TypeError) as e:
             raise ApiError(str(e), _field_of(str(e))) from None
-        if params.logit_bias and max(params.logit_bias) >= vocab:
-            raise ApiError(f"logit_bias: token ids must be in [0, vocab_size={vocab}), got "
-                           f"{max(params.logit_bias)}", "logit_bias")
         return params
 
     # ------------------------------------------------------------ serving
