@@ -147,7 +147,9 @@ def test_models_health_metrics(server):
                  "vllm:gpu_prefix_cache_hit_rate",
                  "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
                  "vllm:time_to_first_token_seconds_count", "vllm:time_per_output_token_seconds_count",
-                 "vllm:e2e_request_latency_seconds_count"):
+                 "vllm:e2e_request_latency_seconds_count", "vllm:request_prompt_tokens_count",
+                 "vllm:request_generation_tokens_count", "vllm:request_params_n_count",
+                 "vllm:request_params_best_of_count"):
         assert name in names, name
 
 
@@ -262,6 +264,16 @@ def test_vllm_fields_best_of_echo_stop_reason_truncation(server, offline):
     want = offline.generate([ids], SamplingParams(max_tokens=6, seed=5, n=1, best_of=3), use_tqdm=False)[0]
     assert [c.index for c in best.choices] == [0] and best.choices[0].text == want.outputs[0].text
     assert best.usage.completion_tokens == len(want.outputs[0].token_ids)
+    # The engine made best_of sequences: generation_tokens_total counts them all, and vLLM's
+    # per-request histograms see the request.
+    before = _metrics(server)
+    client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=5, seed=5, n=1, best_of=3,
+                              extra_body={"ignore_eos": True})
+    after = _metrics(server)
+    assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == 15
+    assert after["vllm:request_params_best_of_sum"] - before["vllm:request_params_best_of_sum"] == 3
+    assert after["vllm:request_params_n_count"] - before["vllm:request_params_n_count"] == 1
+    assert after["vllm:request_generation_tokens_sum"] - before["vllm:request_generation_tokens_sum"] == 5
     # echo: the prompt's text, then the completion's, whole and streamed; token-id prompts decoded.
     kw = dict(model=MODEL, max_tokens=5, temperature=0)
     plain = client.completions.create(prompt=PROMPTS[0], **kw).choices[0].text

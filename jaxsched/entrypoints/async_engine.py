@@ -40,8 +40,8 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     arrival: float
+    params: Optional[SamplingParams] = None
     first_token: Optional[float] = None
-    tokens: int = 0
 
 
 class AsyncEngine:
@@ -71,7 +71,7 @@ class AsyncEngine:
         """Queue a request; returns the asyncio queue its RequestOutputs arrive on.
 
         Raises ValueError (a bad request: 400) or QueueFull (503), decided in the loop."""
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), time.monotonic())
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), time.monotonic(), params)
         done: concurrent.futures.Future = concurrent.futures.Future()
         self._inbox.put(("add", request_id, prompt_ids, params, stream, done))
         await asyncio.wrap_future(done)
@@ -158,12 +158,13 @@ class AsyncEngine:
                 stream.first_token = now
                 m.time_to_first_token.observe(now - stream.arrival)
                 m.prompt_tokens.inc(len(out.prompt_token_ids))
-            if tokens > stream.tokens:
-                m.generation_tokens.inc(tokens - stream.tokens)
-                stream.tokens = tokens
             if out.finished:
                 del self._streams[out.request_id]
                 m.e2e_request_latency.observe(now - stream.arrival)
+                m.request_prompt_tokens.observe(len(out.prompt_token_ids))
+                m.request_generation_tokens.observe(tokens)        # the returned sequences'
+                m.request_params_n.observe(stream.params.n)
+                m.request_params_best_of.observe(stream.params.best_of)
                 longest = max(len(c.token_ids) for c in out.outputs)
                 if stream.first_token is not None and longest > 1:
                     m.time_per_output_token.observe((now - stream.first_token) / (longest - 1))
@@ -205,4 +206,7 @@ class AsyncEngine:
             delta = stats[f"preempted_{mode}"] - self._stats[f"preempted_{mode}"]
             if delta:
                 m.preemptions_by_mode.labels(m.model_name, mode).inc(delta)
+        # Every sequence's tokens, best_of's unreturned ones too (the engine's own count).
+        if stats["output_tokens"] > self._stats["output_tokens"]:
+            m.generation_tokens.inc(stats["output_tokens"] - self._stats["output_tokens"])
         self._stats = stats

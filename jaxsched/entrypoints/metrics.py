@@ -13,6 +13,19 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 7.5, 10.0)
 TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 E2E_BUCKETS = (1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0)
+PARAMS_BUCKETS = (1, 2, 5, 10, 20)
+TOKEN_BUCKETS = "1-2-5 up to max_model_len"     # vLLM's build_1_2_5_buckets, made per server
+
+
+def buckets_1_2_5(largest: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `largest` (vLLM's token-count buckets)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > largest:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
 
 
 # Every metric once: (attribute, kind, name, help, extra). `extra` is a histogram's buckets,
@@ -40,6 +53,14 @@ METRICS = (
      "Histogram of time per output token in seconds.", TPOT_BUCKETS),
     ("e2e_request_latency", Histogram, "vllm:e2e_request_latency_seconds",
      "Histogram of end to end request latency in seconds.", E2E_BUCKETS),
+    ("request_prompt_tokens", Histogram, "vllm:request_prompt_tokens",
+     "Number of prefill tokens processed.", TOKEN_BUCKETS),
+    ("request_generation_tokens", Histogram, "vllm:request_generation_tokens",
+     "Number of generation tokens processed.", TOKEN_BUCKETS),
+    ("request_params_n", Histogram, "vllm:request_params_n", "Histogram of the n request parameter.",
+     PARAMS_BUCKETS),
+    ("request_params_best_of", Histogram, "vllm:request_params_best_of",
+     "Histogram of the best_of request parameter.", PARAMS_BUCKETS),
 )
 
 
@@ -53,10 +74,13 @@ def _declare(registry: CollectorRegistry, model_name: str, kind, name: str, doc:
 
 
 class Metrics:
-    """One registry per server (not the process-global one: tests may build several apps)."""
+    """One registry per server (not the process-global one: tests may build several apps);
+    `max_model_len` bounds the token-count histograms' buckets."""
 
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, max_model_len: int = 1024):
         self.registry = CollectorRegistry()
         self.model_name = model_name
         for attr, kind, name, doc, extra in METRICS:
+            if extra is TOKEN_BUCKETS:
+                extra = buckets_1_2_5(max_model_len)
             setattr(self, attr, _declare(self.registry, model_name, kind, name, doc, extra))

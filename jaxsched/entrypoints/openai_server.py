@@ -522,7 +522,7 @@ def run_server(args: argparse.Namespace) -> int:
         llm.warm_up()
     name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
     api_key = args.api_key or os.environ.get("JAXSCHED_API_KEY") or None
-    engine_loop = AsyncEngine(llm, Metrics(name), args.max_waiting_requests)
+    engine_loop = AsyncEngine(llm, Metrics(name, llm.config.max_model_len), args.max_waiting_requests)
     server = OpenAIServer(engine_loop, name, api_key, args.max_request_bytes)
     logging.basicConfig(level=args.log_level.upper())
     print(f"jaxsched serve: {name} ready in {time.perf_counter() - t0:.1f} s on "
