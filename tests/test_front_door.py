@@ -125,12 +125,32 @@ def test_chat_template__per_call_per_engine_and_from_a_file(llm, tokenizer, tmp_
               num_device_blocks=8, num_host_blocks=8, max_model_len=64, max_num_batched_tokens=64)
     assert own.chat(conv, GREEDY).prompt_token_ids == out.prompt_token_ids
     assert tokenizer.chat_template != PLAIN_TEMPLATE                             # the caller's untouched
+    strict = "{% if messages[0]['role'] != 'system' %}{{ raise_exception('a system message must come first') }}{% endif %}"
+    with pytest.raises(ValueError, match="messages: the chat template refused them: a system message must come first"):
+        llm.chat(conv, GREEDY, chat_template=strict)
     for bad, why in (("no-such-template", "neither a file nor a Jinja chat template"),
                      ("{% for m in messages %}", "does not compile")):
         with pytest.raises(ValueError, match=f"chat_template: .*{why}"):
             llm.chat(conv, GREEDY, chat_template=bad)
         assert cli.main(["generate", "--chat-template", bad]) == 2               # before the model loads
         assert "--chat-template: " in capsys.readouterr().err
+
+
+def test_server_chat__a_template_refusal_is_a_400_naming_messages(tokenizer):
+    """The server renders chats as LLM.chat does: a template's raise_exception is the client's
+    to fix (a 400 naming messages), not the server's failure."""
+    import copy
+    import types
+    pytest.importorskip("fastapi")
+    from jaxsched.entrypoints.openai_server import ApiError, OpenAIServer
+    from jaxsched.entrypoints.protocol import ChatMessage
+    tok = copy.copy(tokenizer)
+    tok.chat_template = "{{ raise_exception('roles must alternate') }}"
+    server = types.SimpleNamespace(_tokenizer=lambda: tok)
+    with pytest.raises(ApiError) as refused:
+        OpenAIServer._chat_ids(server, [ChatMessage(role="user", content="x")], True)
+    assert refused.value.status == 400 and refused.value.param == "messages"
+    assert "refused them: roles must alternate" in refused.value.message
 
 
 def test_chat__a_list_of_conversations_returns_a_list(llm):

@@ -33,7 +33,7 @@ from jaxsched.engine.step import EngineSpec, init_engine, token_buckets
 from jaxsched.entrypoints.compilation_cache import enable_compilation_cache
 from jaxsched.core.requests import abort as abort_slots
 from jaxsched.core.state import Status, set_limits
-from models.chat import content_text, load_chat_template
+from models.chat import ChatTemplateError, content_text, load_chat_template
 
 ENGINE_ARGS = {f.name for f in dataclasses.fields(SchedulerConfig)}
 Prompt = Union[str, Sequence[int]]
@@ -149,8 +149,11 @@ class _FrontEnd:
                                  "{'role': str, 'content': str or text parts} messages")
             conv = [{**m, "content": content_text(m.get("content"), f"{field}[{j}].content")}
                     for j, m in enumerate(conv)]
-            text = self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
-                                                      chat_template=template)
+            try:
+                text = self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
+                                                          chat_template=template)
+            except ChatTemplateError as e:       # the template's raise_exception, about these messages
+                raise ValueError(f"{field}: the chat template refused them: {e}") from None
             prompts.append(self.tokenizer.encode(text, add_special_tokens=False))
         outs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
         return outs if batched else outs[0]

@@ -36,7 +36,7 @@ from jaxsched.entrypoints.cli_serve import DEFAULT_MODEL_NAME, MAX_BODY_BYTES
 from jaxsched.entrypoints.metrics import Metrics
 from jaxsched.entrypoints.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                            TokenizeRequest, error_body)
-from models.chat import content_text
+from models.chat import ChatTemplateError, content_text
 
 
 
@@ -215,7 +215,10 @@ class OpenAIServer:
                         for k, m in enumerate(messages)]
         except ValueError as e:
             raise ApiError(str(e), "messages") from None
-        text = tok.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt)
+        try:
+            text = tok.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt)
+        except ChatTemplateError as e:           # the template's raise_exception: the client's to fix
+            raise ApiError(f"messages: the chat template refused them: {e}", "messages") from None
         return tok.encode(text, add_special_tokens=False)
 
     def _echo(self, prompt) -> str:
