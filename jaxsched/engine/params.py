@@ -43,6 +43,11 @@ UNSUPPORTED = {
 }
 
 
+def truncate_prompt(ids: list[int], keep: Optional[int]) -> list[int]:
+    """truncate_prompt_tokens: a prompt's last `keep` tokens (vLLM truncates on the left)."""
+    return ids[-keep:] if keep else ids
+
+
 def _is_default(value, default) -> bool:
     if default is None:
         return value is None or (isinstance(value, (list, tuple)) and not value)

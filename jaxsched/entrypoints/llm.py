@@ -27,7 +27,7 @@ from jaxsched.engine import sizing
 from jaxsched.engine.cost_measure import measure_preemption_costs
 from jaxsched.engine.sharding import place_model
 from jaxsched.engine.output_processor import OutputProcessor
-from jaxsched.engine.params import RequestOutput, SamplingParams
+from jaxsched.engine.params import RequestOutput, SamplingParams, truncate_prompt
 from jaxsched.engine.stats import EngineStats
 from jaxsched.engine.step import EngineSpec, init_engine, token_buckets
 from jaxsched.entrypoints.compilation_cache import enable_compilation_cache
@@ -212,10 +212,7 @@ class LLM(_FrontEnd):
         if data > 1:
             raise ValueError("LLM: mesh_shape with data > 1 is DataParallelLLM's; LLM(...) returns one")
         model_config, tensors, instance, tokenizer = load_model_parts(model, tokenizer, dtype)
-        if template is not None and tokenizer is not None:
-            tokenizer = copy.copy(tokenizer)                 # the caller's keeps its own
-            tokenizer.chat_template = template
-        self.model_config, self.tokenizer = model_config, tokenizer
+        self.model_config, self.tokenizer = model_config, with_chat_template(tokenizer, template)
         measure = _resolve_costs(engine_args, data * tp > 1 or bool(devices))
         context = model_config.max_position_embeddings
         if engine_args.get("max_model_len", 0) > context:
@@ -320,9 +317,7 @@ class LLM(_FrontEnd):
         if params.stop and self.tokenizer is None:
             raise ValueError("SamplingParams.stop: stop strings need a tokenizer; use stop_token_ids")
         text, ids = self._encode(prompt, field)
-        if params.truncate_prompt_tokens:            # vLLM's: the prompt's last k tokens
-            ids = ids[-params.truncate_prompt_tokens:]
-        return text, ids, params
+        return text, truncate_prompt(ids, params.truncate_prompt_tokens), params
 
     def _enqueue(self, request_id: str, text: Optional[str], ids: list[int], params: SamplingParams) -> None:
         self._processor.add_request(request_id, text, ids, params)
@@ -429,6 +424,16 @@ def model_dtype(dtype: str) -> str:
         raise ValueError(f"dtype: must be one of {sorted(DTYPES)}, got {dtype!r}"
                          + (" (float16 is not supported: use bfloat16)" if dtype in ("half", "float16") else ""))
     return DTYPES[dtype]
+
+
+def with_chat_template(tokenizer, template: Optional[str]):
+    """`tokenizer`, or a copy of it whose chat template is `template` (the caller's keeps its
+    own)."""
+    if template is None or tokenizer is None:
+        return tokenizer
+    tokenizer = copy.copy(tokenizer)
+    tokenizer.chat_template = template
+    return tokenizer
 
 
 def load_model_parts(model, tokenizer, dtype):

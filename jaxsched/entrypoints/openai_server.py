@@ -34,6 +34,7 @@ from pydantic import ValidationError
 from jaxsched.entrypoints.async_engine import AsyncEngine, QueueFull
 from jaxsched.entrypoints.cli_serve import DEFAULT_MODEL_NAME, MAX_BODY_BYTES
 from jaxsched.entrypoints.metrics import Metrics
+from jaxsched.engine.params import truncate_prompt
 from jaxsched.entrypoints.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                            TokenizeRequest, error_body)
 from models.chat import ChatTemplateError, content_text
@@ -140,7 +141,7 @@ class OpenAIServer:
             for k, prompt in enumerate(prompts):
                 field = "prompt" if len(prompts) == 1 else f"prompt[{k}]"
                 ids = self._tokenizer().encode(prompt) if isinstance(prompt, str) else list(prompt)
-                ids = _truncated(ids, req.truncate_prompt_tokens)
+                ids = truncate_prompt(ids, req.truncate_prompt_tokens)
                 batch.append((ids, self._params(req, ids, field, req.max_tokens or 16, req.logprobs)))
             echo = [self._echo(prompt) for prompt in prompts] if req.echo else None
             return await self._serve(request, req, batch, chat=False, echo=echo)
@@ -149,7 +150,8 @@ class OpenAIServer:
         async def chat_completions(request: Request):
             req = await _read_json(request, ChatCompletionRequest, self.max_body_bytes)
             self._check_request(req)
-            ids = _truncated(self._chat_ids(req.messages, req.add_generation_prompt), req.truncate_prompt_tokens)
+            ids = truncate_prompt(self._chat_ids(req.messages, req.add_generation_prompt),
+                                  req.truncate_prompt_tokens)
             logprobs = (req.top_logprobs or 0) if req.logprobs else None
             max_tokens = (req.max_completion_tokens or req.max_tokens
                           or max(self.llm.config.max_model_len - len(ids), 1))
@@ -330,11 +332,6 @@ def _version() -> str:
         return version("jaxsched")
     except PackageNotFoundError:
         return "unknown"
-
-
-def _truncated(ids: list[int], keep: Optional[int]) -> list[int]:
-    """truncate_prompt_tokens: a prompt's last `keep` tokens (vLLM truncates on the left)."""
-    return ids[-keep:] if keep else ids
 
 
 def _prompt_list(prompt) -> list:

@@ -9,9 +9,8 @@ The replicas step one after another in this process.
 """
 from __future__ import annotations
 
-import copy
 import time
-from jaxsched.entrypoints.llm import LLM, _FrontEnd, load_model_parts, model_dtype
+from jaxsched.entrypoints.llm import LLM, _FrontEnd, load_model_parts, model_dtype, with_chat_template
 from models.chat import load_chat_template
 from jaxsched.engine.params import RequestOutput, SamplingParams
 
@@ -27,9 +26,7 @@ class DataParallelLLM(_FrontEnd):
         template = kwargs.pop("chat_template", None)
         template = load_chat_template(template) if template is not None else None
         model_config, tensors, instance, tokenizer = load_model_parts(model, tokenizer, dtype)
-        if template is not None and tokenizer is not None:
-            tokenizer = copy.copy(tokenizer)          # one template for the router and replicas
-            tokenizer.chat_template = template
+        tokenizer = with_chat_template(tokenizer, template)   # one for the router and replicas
         mesh = make_mesh(data, tp, devices)
         self.replicas = [LLM((model_config, tensors, instance), mesh_shape=(1, tp), tokenizer=tokenizer,
                              dtype=dtype, devices=list(mesh.devices[i].flat), **kwargs)
