@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import pathlib
 from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
@@ -125,7 +126,6 @@ def _plain(value: Any) -> Any:
 def load_chat_template(value: str, field: str = "chat_template") -> str:
     """A chat template given as a file path or as the template itself (vLLM's
     --chat-template), compiled once to check it; ValueError naming `field` otherwise."""
-    import pathlib
     path = pathlib.Path(value) if len(value) < 4096 and "\n" not in value else None
     if path is not None and path.is_file():
         value = path.read_text(encoding="utf-8")

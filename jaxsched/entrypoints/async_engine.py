@@ -40,7 +40,7 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     arrival: float
-    params: Optional[SamplingParams] = None
+    params: SamplingParams
     first_token: Optional[float] = None
 
 
